@@ -1,0 +1,20 @@
+"""pagedkv: the block allocator behind a paged KV cache.
+
+The core (``KVCacheManager`` and the ``BlockPool`` beneath it) needs only numpy. Everything that
+measures the design (store, model, simulator, report) sits on top and imports only the public API.
+"""
+from .types import AllBlocksCleared, BlockRemoved, BlockStored, CopyOp, OutOfBlocks, Usage
+from .pool import BlockPool
+from .manager import KVCacheManager
+
+__all__ = [
+    "KVCacheManager",
+    "BlockPool",
+    "OutOfBlocks",
+    "CopyOp",
+    "Usage",
+    "BlockStored",
+    "BlockRemoved",
+    "AllBlocksCleared",
+]
+__version__ = "0.1.0"

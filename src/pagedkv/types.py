@@ -1,0 +1,121 @@
+"""The small value types of the public API: errors, copy requests, usage, cache events.
+
+They live apart from the allocator so that every layer (pool, manager, store, simulator) can
+import them without importing each other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+__all__ = [
+    "OutOfBlocks",
+    "CopyOp",
+    "Usage",
+    "BlockStored",
+    "BlockRemoved",
+    "AllBlocksCleared",
+    "KVEvent",
+]
+
+
+class OutOfBlocks(RuntimeError):
+    """Raised when a call needs more physical blocks than the pool can give.
+
+    Nothing was changed by the failing call. ``needed`` is how many blocks the call had to take,
+    ``available`` how many it could have taken (clean free + evictable cached), so the caller can
+    decide how many sequences to preempt: it must release at least ``needed - available`` blocks.
+    """
+
+    def __init__(self, needed: int, available: int, what: str = "") -> None:
+        self.needed = needed
+        self.available = available
+        where = f" for {what}" if what else ""
+        super().__init__(f"out of KV blocks{where}: needed {needed}, available {available}")
+
+    def __reduce__(self):  # keep the fields when pickled (multiprocessing engines)
+        return (type(self), (self.needed, self.available))
+
+
+class CopyOp(NamedTuple):
+    """One block copy the engine must run before the step's KV writes: ``dst[:] = src[:]``.
+
+    Queued by copy-on-write; a named tuple so that a list of them converts straight to an
+    ``[n, 2]`` int array for a batched copy kernel.
+    """
+
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """A snapshot of what the cache holds, in the numbers the design is judged by.
+
+    Worked example (block size 16): one 20-token sequence forked into two that each then
+    append one token. Logical tokens 42; the first block (16 tokens) is shared; each child has its
+    own partial block of 5 -> ``used_blocks`` 3, ``stored_tokens`` 16 + 5 + 5 = 26,
+    ``allocated_slots`` 48, ``internal_fragmentation`` 1 - 26/48 = 0.458,
+    ``blocks_saved_by_sharing`` (2 + 2) - 3 = 1.
+    """
+
+    num_blocks: int
+    block_size: int
+    num_sequences: int
+    logical_tokens: int
+    stored_tokens: int
+    used_blocks: int
+    free_blocks: int  # clean free blocks only (no cached content)
+    cached_blocks: int  # free blocks whose content is still revivable by a prefix hit
+    allocated_slots: int
+    internal_fragmentation: float
+    blocks_saved_by_sharing: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    cow_copies: int
+    forks: int
+    evictions: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of queried prompt tokens served from the cache (0.0 when nothing was queried)."""
+        q = self.prefix_query_tokens
+        return self.prefix_hit_tokens / q if q else 0.0
+
+    @property
+    def utilization(self) -> float:
+        """Share of all KV memory that holds a token state of a running sequence."""
+        total = self.num_blocks * self.block_size
+        return self.stored_tokens / total if total else 0.0
+
+
+# ---- KV cache events: what an external router needs to index which prefixes this cache holds.
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Full blocks were published to the prefix cache, in chain order.
+
+    ``parent_block_hash`` is the hash the first of ``block_hashes`` was chained from (the salt's
+    root hash for a prompt's first block); ``token_ids`` are all the blocks' tokens, concatenated.
+    """
+
+    block_hashes: tuple[Any, ...]
+    parent_block_hash: Any
+    token_ids: tuple[int, ...]
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Cached blocks were evicted (their content is gone; the hashes no longer hit)."""
+
+    block_hashes: tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The whole prefix cache was dropped (``reset_prefix_cache``)."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
