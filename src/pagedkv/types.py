@@ -92,29 +92,30 @@ class Usage:
 # ---- KV cache events: what an external router needs to index which prefixes this cache holds.
 
 
-@dataclass(frozen=True, slots=True)
-class BlockStored:
+class BlockStored(NamedTuple):
     """Full blocks were published to the prefix cache, in chain order.
 
     ``parent_block_hash`` is the hash the first of ``block_hashes`` was chained from (the salt's
     root hash for a prompt's first block); ``token_ids`` are all the blocks' tokens, concatenated.
+    Events are named tuples: immutable, and cheap enough to emit on the decode path.
     """
 
-    block_hashes: tuple[Any, ...]
+    block_hashes: tuple
     parent_block_hash: Any
-    token_ids: tuple[int, ...]
+    token_ids: tuple
     block_size: int
 
 
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    """Cached blocks were evicted (their content is gone; the hashes no longer hit)."""
+class BlockRemoved(NamedTuple):
+    """Cached blocks were evicted (their content is gone; the hashes no longer hit).
 
-    block_hashes: tuple[Any, ...]
+    Consecutive evictions (one admission evicting 50 blocks, say) arrive as one event.
+    """
+
+    block_hashes: tuple
 
 
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
+class AllBlocksCleared(NamedTuple):
     """The whole prefix cache was dropped (``reset_prefix_cache``)."""
 
 

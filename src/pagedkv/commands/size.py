@@ -1,0 +1,135 @@
+"""``pagedkv size``: KV bytes per token and per block of a model, and how many tokens fit.
+
+Examples::
+
+    pagedkv size --list
+    pagedkv size Llama-3.1-8B --gpu-mem-gib 80 --util 0.9          # weights estimated: 14.96 GiB
+    pagedkv size OPT-13B --kv-gib 12                                # vLLM Table 1: 15,728 slots
+    pagedkv size --config path/to/config.json --dtype fp8 --tp 4
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..sim.sizing import (
+    GIB,
+    builtin_models,
+    estimate_weight_bytes,
+    fit_blocks,
+    get_model,
+    kv_size,
+    spec_from_config,
+)
+from ..tables import Table
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the ``size`` subcommand's options on ``parser``."""
+    parser.add_argument("model", nargs="?", help="built-in model name (see --list)")
+    parser.add_argument("--config", metavar="PATH", help="a Hugging Face config.json instead of a name")
+    parser.add_argument("--dtype", help="KV cache dtype (default: the model's torch_dtype), e.g. fp8")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    parser.add_argument("--gpu-mem-gib", type=float, help="memory of one GPU in GiB, e.g. 80")
+    parser.add_argument("--util", type=float, default=0.9,
+                        help="fraction of GPU memory for weights + KV (default 0.9, as vLLM)")
+    parser.add_argument("--weights-gib", type=float,
+                        help="weights per GPU in GiB (default: estimated for dense models)")
+    parser.add_argument("--kv-gib", type=float, help="a KV budget per GPU in GiB, instead of --gpu-mem-gib")
+    parser.add_argument("--list", action="store_true", help="list the built-in models and their KV sizes")
+
+
+def _list_table(args: argparse.Namespace) -> Table:
+    t = Table(f"Built-in models (KV per GPU at tp={args.tp}, block size {args.block_size})",
+              ["model", "attention", "layers", "kv heads/GPU", "head dim", "dtype",
+               "bytes/token", "KiB/token", "bytes/block"])
+    for spec in builtin_models().values():
+        s = kv_size(spec, dtype=args.dtype, tp=args.tp, block_size=args.block_size)
+        heads = "latent" if spec.is_mla else s.kv_heads_per_gpu
+        dim = f"{spec.kv_lora_rank}+{spec.qk_rope_head_dim}" if spec.is_mla else spec.head_dim
+        t.add(spec.name, s.attention, spec.num_layers, heads, dim, s.dtype,
+              s.bytes_per_token, s.bytes_per_token / 1024, s.bytes_per_block)
+    t.notes.append("bytes/token = 2 x layers x kv_heads x head_dim x dtype bytes "
+                   "(MLA: layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes)")
+    return t
+
+
+def _size_tables(args: argparse.Namespace) -> list[Table]:
+    spec = spec_from_config(args.config) if args.config else get_model(args.model)
+    s = kv_size(spec, dtype=args.dtype, tp=args.tp, block_size=args.block_size)
+    t = Table(f"KV cache size: {spec.name}", ["quantity", "value"])
+    t.add("attention", s.attention)
+    t.add("layers", spec.num_layers)
+    if spec.is_mla:
+        t.add("latent per layer (kv_lora_rank + qk_rope_head_dim)", s.elems_per_token_layer)
+    else:
+        t.add("KV heads (total)", spec.num_kv_heads)
+        t.add(f"KV heads per GPU (tp={args.tp})", s.kv_heads_per_gpu)
+        t.add("head dim", spec.head_dim)
+    t.add("dtype", s.dtype)
+    t.add("bytes per token per GPU", s.bytes_per_token)
+    t.add("bytes per token, all GPUs", s.bytes_per_token_total)
+    t.add(f"bytes per block ({args.block_size} tokens)", s.bytes_per_block)
+    t.add("token slots per GiB of KV", GIB // s.bytes_per_token)
+    tables = [t]
+    cap = _capacity_table(args, spec, s)
+    if cap is not None:
+        tables.append(cap)
+    return tables
+
+
+def _capacity_table(args: argparse.Namespace, spec, s) -> Table | None:
+    if args.kv_gib is None and args.gpu_mem_gib is None:
+        return None
+    t = Table("What fits (per GPU)", ["quantity", "value"])
+    if args.kv_gib is not None:
+        cap = fit_blocks(s, kv_budget_gib=args.kv_gib)
+    else:
+        weights = args.weights_gib
+        if weights is None:
+            est = estimate_weight_bytes(spec, tp=args.tp)
+            if est is None:
+                raise ValueError(f"cannot estimate weights of {spec.name} (MoE/MLA or missing fields): "
+                                 "give --weights-gib")
+            weights = est / GIB
+            t.notes.append("weights estimated from the config (embeddings + attention + MLP matrices)")
+        cap = fit_blocks(s, gpu_mem_gib=args.gpu_mem_gib, util=args.util, weights_gib=weights)
+        t.add("GPU memory (GiB)", float(args.gpu_mem_gib))
+        t.add("utilisation", float(args.util))
+        t.add("weights (GiB)", float(weights))
+    t.add("KV budget (GiB)", cap.kv_budget_bytes / GIB)
+    t.add("blocks", cap.num_blocks)
+    t.add("token slots", cap.token_slots)
+    t.notes.append("budget = GPU memory x utilisation - weights; GiB = 2**30 bytes")
+    return t
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the requested tables; return 0, or 2 with a message on stderr for bad input."""
+    try:
+        if args.list:
+            print(_list_table(args).to_text())
+            return 0
+        if not args.model and not args.config:
+            raise ValueError("give a model name or --config PATH (or --list)")
+        if args.model and args.config:
+            raise ValueError("give a model name or --config, not both")
+        print("\n\n".join(t.to_text() for t in _size_tables(args)))
+        return 0
+    except ValueError as e:
+        print(f"pagedkv size: error: {e}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run as ``python -m pagedkv.commands.size`` (the CLI normally dispatches here)."""
+    p = argparse.ArgumentParser(prog="pagedkv size", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,491 @@
+"""KVCacheManager: sequences, block tables, fork, copy-on-write, prefix hits, exports, usage.
+
+This is the only layer that knows what a sequence is. Per sequence it keeps three lists: the
+block table (logical block i -> physical block id), the token ids, and the chained hashes of its
+full blocks (when prefix caching is on). Everything physical (refcounts, free list, eviction)
+belongs to :class:`~pagedkv.pool.BlockPool`; everything about hashes to
+:class:`~pagedkv.prefix_cache.PrefixCache`.
+
+The life of a decode step, with block size 16::
+
+    m = KVCacheManager(num_blocks=4096, block_size=16)
+    m.add_sequence("r1", prompt)          # 40 tokens -> table [0, 1, 2]; blocks 0, 1 published
+    m.fork("r1", "r1.1")                  # child shares [0, 1, 2]; refcounts 2, 2, 2
+    m.append_token("r1.1", 7)             # block 2 is partial and shared -> copy-on-write:
+    m.take_copies()                       #   [CopyOp(src=2, dst=3)]; child table [0, 1, 3]
+    m.append_token("r1", 9)               # parent is block 2's last holder: writes in place
+
+Every public call validates its arguments before it changes anything, and every call that
+allocates checks capacity first, so a failure (``OutOfBlocks``, ``KeyError``, ``ValueError``)
+leaves the manager exactly as it was.
+"""
+from __future__ import annotations
+
+import operator
+import sys
+from array import array
+from collections import Counter
+from itertools import chain
+from typing import Any, Hashable, Iterable, Sequence
+
+import numpy as np
+
+from .hashing import MAX_TOKEN_ID, BlockHasher, token_bytes
+from .pool import BlockPool
+from .prefix_cache import PrefixCache
+from .types import CopyOp, OutOfBlocks, Usage
+
+__all__ = ["KVCacheManager"]
+
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+class _Seq:
+    """One sequence's state: its block table, its tokens, its full blocks' chained hashes."""
+
+    __slots__ = ("table", "tokens", "hashes", "root")
+
+    def __init__(self, table: list, tokens: list, hashes: list, root: Hashable) -> None:
+        self.table = table
+        self.tokens = tokens
+        self.hashes = hashes
+        self.root = root
+
+
+class KVCacheManager:
+    """The block allocator of a paged KV cache (see DESIGN.md for the full contract).
+
+    Args:
+        num_blocks: physical blocks in the KV store.
+        block_size: token slots per block (16 is the field's default).
+        enable_prefix_caching: share full blocks by content hash and keep freed ones revivable.
+        hash_algo: ``"sha256"`` (default, stable), ``"xxh3"`` (fast, needs xxhash),
+            ``"builtin"`` (fastest, per-process).
+        enable_events: record KV cache events for ``take_events()``. An engine that never
+            drains them should turn this off, or they accumulate.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        hash_algo: str = "sha256",
+        enable_events: bool = True,
+    ) -> None:
+        if type(block_size) is not int or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if not isinstance(enable_prefix_caching, bool) or not isinstance(enable_events, bool):
+            raise ValueError("enable_prefix_caching and enable_events must be bools")
+        self._hasher = BlockHasher(hash_algo)
+        self._digest = self._hasher.digest
+        self._pool = BlockPool(num_blocks)
+        self._cache = PrefixCache(self._pool, enable_events) if enable_prefix_caching else None
+        self._bs = block_size
+        self._rc = self._pool._rc  # the hot paths read refcounts directly
+        self._seqs: dict[Hashable, _Seq] = {}
+        self._copies: list[CopyOp] = []
+        self._cow_copies = 0
+        self._forks = 0
+
+    # ---- properties and lookups --------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self._bs
+
+    @property
+    def num_blocks(self) -> int:
+        return self._pool.num_blocks
+
+    @property
+    def hash_algo(self) -> str:
+        return self._hasher.name
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self._cache is not None
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now: clean plus cached-free (evictable)."""
+        return self._pool.num_free
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._seqs)
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def seq_ids(self) -> list:
+        return list(self._seqs)
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        return list(self._seqs[seq_id].table)
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        return len(self._seqs[seq_id].tokens)
+
+    def tokens(self, seq_id: Hashable) -> list[int]:
+        return list(self._seqs[seq_id].tokens)
+
+    def refcount(self, block_id: int) -> int:
+        return self._pool.refcount(block_id)
+
+    def slots(self, seq_id: Hashable, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Physical slots of positions ``start..stop`` (default: all): where a prefill writes.
+
+        After ``hit = add_sequence(...)``, the engine computes KV for ``slots(id, hit)``.
+        """
+        s = self._seqs[seq_id]
+        n = len(s.tokens)
+        stop = n if stop is None else stop
+        if not (type(start) is int and type(stop) is int and 0 <= start <= stop <= n):
+            raise ValueError(f"need 0 <= start <= stop <= {n}, got {start}, {stop}")
+        pos = np.arange(start, stop, dtype=np.int64)
+        table = np.asarray(s.table, dtype=np.int64)
+        return table[pos // self._bs] * self._bs + pos % self._bs
+
+    # ---- admission ---------------------------------------------------------------------------
+
+    def add_sequence(self, seq_id: Hashable, prompt_ids: Sequence[int], cache_salt: Any = None) -> int:
+        """Admit a sequence with its prompt; returns how many prompt tokens the cache served.
+
+        Blocks for the whole prompt are taken: the longest run of cached full blocks from the
+        start (never the whole prompt: the last token is always computed), then fresh blocks.
+        Full prompt blocks are published at once. Example (block size 16, a 40-token prompt
+        whose first 32 tokens are cached): returns 32; the table is [hit, hit, new].
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        tokens = _token_list(prompt_ids)
+        data = token_bytes(tokens)
+        n, bs = len(tokens), self._bs
+        if n == 0:
+            raise ValueError("the prompt must have at least one token")
+        cache = self._cache
+        hashes: list = []
+        hits: list[int] = []
+        root = None
+        if cache is not None:
+            root = self._hasher.root(cache_salt)
+            hashes = self._hasher.chain(root, data, 4 * bs, n // bs)
+            hits = cache.longest_prefix(hashes, (n - 1) // bs)
+        elif cache_salt is not None:
+            self._hasher.root(cache_salt)  # validates the salt's type all the same
+        need = -(-n // bs) - len(hits)
+        rc = self._rc
+        available = self._pool.num_free - sum(1 for b in hits if not rc[b])
+        if need > available:
+            raise OutOfBlocks(need, available, f"admitting {seq_id!r}")
+        for b in hits:
+            self._pool._acquire(b)
+        table = hits + self._pool._take(need)
+        if cache is not None:
+            k, nfull = len(hits), len(hashes)
+            if nfull > k:
+                parent = hashes[k - 1] if k else root
+                cache.publish(table[k:nfull], hashes[k:nfull], parent, tokens[k * bs : nfull * bs], bs)
+            cache.query_tokens += n
+            cache.hit_tokens += k * bs
+        self._seqs[seq_id] = _Seq(table, tokens, hashes, root)
+        return len(hits) * bs
+
+    # ---- appends -----------------------------------------------------------------------------
+
+    def append_token(self, seq_id: Hashable, token_id: int) -> int:
+        """Append one token; returns its physical slot (``block * block_size + offset``).
+
+        A full last block gets a fresh block after it; a partial last block shared with another
+        sequence is copied first (copy-on-write, queued for ``take_copies``).
+        """
+        s = self._seqs[seq_id]
+        if type(token_id) is not int:
+            token_id = _as_token(token_id)
+        if token_id < 0 or token_id > MAX_TOKEN_ID:
+            raise ValueError(f"token id {token_id} outside [0, {MAX_TOKEN_ID}]")
+        bs = self._bs
+        tokens = s.tokens
+        off = len(tokens) % bs
+        if off:
+            b = s.table[-1]
+            if self._rc[b] > 1:
+                b = self._copy_on_write(s, b)
+        else:
+            b = self._pool._take_one()
+            s.table.append(b)
+        tokens.append(token_id)
+        if off == bs - 1 and self._cache is not None:
+            self._publish_last(s)
+        return b * bs + off
+
+    def append_tokens(self, seq_id: Hashable, token_ids: Sequence[int]) -> list[int]:
+        """Append several tokens (chunked prefill, speculative tokens); all or nothing."""
+        s = self._seqs[seq_id]
+        toks = _token_list(token_ids)
+        token_bytes(toks)  # validates
+        if not toks:
+            return []
+        bs, tokens = self._bs, s.tokens
+        n = len(tokens)
+        need = -(-(n + len(toks)) // bs) - -(-n // bs)
+        if n % bs and self._rc[s.table[-1]] > 1:
+            need += 1
+        available = self._pool.num_free
+        if need > available:
+            raise OutOfBlocks(need, available, f"appending to {seq_id!r}")
+        return [self._append_unchecked(s, t) for t in toks]
+
+    def append_batch(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int]) -> np.ndarray:
+        """One decode step: append ``token_ids[i]`` to ``seq_ids[i]`` for every i, atomically.
+
+        Returns the step's slot mapping as ``np.int64[len(seq_ids)]``. Either every sequence
+        got its token or ``OutOfBlocks`` was raised and none did.
+        """
+        toks = _token_list(token_ids)
+        token_bytes(toks)  # validates every id in one C loop
+        if len(toks) != len(seq_ids):
+            raise ValueError(f"{len(seq_ids)} sequence ids but {len(toks)} tokens")
+        seqs = self._seqs
+        ss = [seqs[i] for i in seq_ids]
+        if len(set(seq_ids)) != len(ss):
+            raise ValueError("a sequence id appears twice in one append_batch")
+        bs, rc, pool = self._bs, self._rc, self._pool
+        if pool.num_free < len(ss):  # only then can the batch fail: count exactly
+            need = 0
+            for s in ss:
+                if not len(s.tokens) % bs or rc[s.table[-1]] > 1:
+                    need += 1
+            if need > pool.num_free:
+                raise OutOfBlocks(need, pool.num_free, "a decode step")
+        out = []
+        push = out.append
+        publish = self._cache is not None
+        last = bs - 1
+        for s, t in zip(ss, toks):
+            tokens = s.tokens
+            off = len(tokens) % bs
+            if off:
+                b = s.table[-1]
+                if rc[b] > 1:
+                    b = self._copy_on_write(s, b)
+            else:
+                b = pool._take_one()
+                s.table.append(b)
+            tokens.append(t)
+            push(b * bs + off)
+            if off == last and publish:
+                self._publish_last(s)
+        return np.array(out, dtype=np.int64)
+
+    def _append_unchecked(self, s: _Seq, token_id: int) -> int:
+        bs, tokens = self._bs, s.tokens
+        off = len(tokens) % bs
+        if off:
+            b = s.table[-1]
+            if self._rc[b] > 1:
+                b = self._copy_on_write(s, b)
+        else:
+            b = self._pool._take_one()
+            s.table.append(b)
+        tokens.append(token_id)
+        if off == bs - 1 and self._cache is not None:
+            self._publish_last(s)
+        return b * bs + off
+
+    def _copy_on_write(self, s: _Seq, old: int) -> int:
+        """Give ``s`` a private copy of its shared partial last block; returns the new block."""
+        new = self._pool._take_one()  # raises OutOfBlocks before anything changed
+        self._rc[old] -= 1  # still >= 1: another table holds it
+        s.table[-1] = new
+        self._copies.append(CopyOp(old, new))
+        self._cow_copies += 1
+        return new
+
+    def _publish_last(self, s: _Seq) -> None:
+        """The last block just filled: hash it (chained) and offer it to the prefix cache."""
+        bs = self._bs
+        block_tokens = s.tokens[-bs:]
+        parent = s.hashes[-1] if s.hashes else s.root
+        data = array("I", block_tokens)  # already validated on the way in
+        if _BIG_ENDIAN:  # pragma: no cover
+            data.byteswap()
+        h = self._digest(parent, data.tobytes())
+        s.hashes.append(h)
+        self._cache.publish_one(s.table[-1], h, parent, block_tokens, bs)
+
+    def take_copies(self) -> list[CopyOp]:
+        """Drain the copies queued by copy-on-write; run them before writing this step's KV."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    # ---- fork and free -----------------------------------------------------------------------
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """The child shares every block of the parent: O(blocks), no allocation, no copy."""
+        p = self._seqs[parent_id]
+        if child_id in self._seqs:
+            raise ValueError(f"sequence {child_id!r} already exists")
+        rc = self._rc
+        for b in p.table:
+            rc[b] += 1
+        self._seqs[child_id] = _Seq(p.table.copy(), p.tokens.copy(), p.hashes.copy(), p.root)
+        self._forks += 1
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release every block of the sequence, tail first (so its prefix is evicted last)."""
+        s = self._seqs.pop(seq_id)
+        self._pool._release_all(reversed(s.table))
+
+    # ---- prefix cache ------------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash; refused (False, nothing changed) while any block is in use."""
+        if self._pool.num_used:
+            return False
+        if self._cache is not None:
+            self._cache.clear()
+        return True
+
+    def take_events(self) -> list:
+        """Drain the KV cache events (BlockStored / BlockRemoved / AllBlocksCleared)."""
+        return self._cache.take_events() if self._cache is not None else []
+
+    # ---- exports for kernels -----------------------------------------------------------------
+
+    def block_tables(self, seq_ids: Sequence[Hashable], pad: int = -1) -> np.ndarray:
+        """Block tables as one padded ``np.int32[len(seq_ids), max_blocks]`` array (vLLM's form)."""
+        tables = [self._seqs[i].table for i in seq_ids]
+        lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+        width = int(lens.max()) if len(tables) else 0
+        out = np.full((len(tables), width), pad, dtype=np.int32)
+        if width:
+            mask = np.arange(width) < lens[:, None]
+            out[mask] = np.fromiter(chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
+        return out
+
+    def flashinfer_layout(self, seq_ids: Sequence[Hashable]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """FlashInfer's paged layout: ``(indptr, indices, last_page_len)``, all ``np.int32``.
+
+        Example (page size 4, lengths 10, 4, 5; tables [0,1,2], [3], [4,5]):
+        indptr [0, 3, 4, 6], indices [0, 1, 2, 3, 4, 5], last_page_len [2, 4, 1].
+        """
+        ss = [self._seqs[i] for i in seq_ids]
+        nblocks = np.fromiter((len(s.table) for s in ss), dtype=np.int32, count=len(ss))
+        indptr = np.zeros(len(ss) + 1, dtype=np.int32)
+        np.cumsum(nblocks, out=indptr[1:])
+        indices = np.fromiter(chain.from_iterable(s.table for s in ss), dtype=np.int32, count=int(indptr[-1]))
+        ntok = np.fromiter((len(s.tokens) for s in ss), dtype=np.int32, count=len(ss))
+        last_page_len = (ntok - 1) % self._bs + 1
+        return indptr, indices, last_page_len.astype(np.int32)
+
+    # ---- accounting --------------------------------------------------------------------------
+
+    def usage(self) -> Usage:
+        """What the cache holds now (see :class:`~pagedkv.types.Usage`)."""
+        bs, pool = self._bs, self._pool
+        used = pool.num_used
+        logical = logical_blocks = 0
+        partial: dict[int, int] = {}  # distinct partial last blocks -> tokens they hold
+        for s in self._seqs.values():
+            n = len(s.tokens)
+            logical += n
+            logical_blocks += len(s.table)
+            if n % bs:
+                partial[s.table[-1]] = n % bs
+        stored = used * bs - sum(bs - k for k in partial.values())
+        allocated = used * bs
+        cache = self._cache
+        return Usage(
+            num_blocks=pool.num_blocks,
+            block_size=bs,
+            num_sequences=len(self._seqs),
+            logical_tokens=logical,
+            stored_tokens=stored,
+            used_blocks=used,
+            free_blocks=pool.num_clean,
+            cached_blocks=pool.num_cached,
+            allocated_slots=allocated,
+            internal_fragmentation=1 - stored / allocated if allocated else 0.0,
+            blocks_saved_by_sharing=logical_blocks - used,
+            prefix_query_tokens=cache.query_tokens if cache else 0,
+            prefix_hit_tokens=cache.hit_tokens if cache else 0,
+            cow_copies=self._cow_copies,
+            forks=self._forks,
+            evictions=pool.evictions,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless the pool, the tables and the cache agree.
+
+        Checks: the pool's own states (free + cached-free + used = total, nothing both free and
+        referenced); each block's refcount equals the number of table entries pointing at it;
+        each table has ``ceil(num_tokens / block_size)`` entries; a partial block is only ever a
+        last block, shared by sequences of equal length within it; every sequence's stored
+        hashes are the chained hashes of its tokens; the hash map and the pool's keys are one
+        bijection; and every mapped hash of a live sequence's block is that block's content hash.
+        """
+        self._pool.check_invariants()
+        refs = Counter(chain.from_iterable(s.table for s in self._seqs.values()))
+        rc = self._rc
+        for b, c in enumerate(rc):
+            _require(refs.get(b, 0) == c, f"block {b}: refcount {c}, referenced {refs.get(b, 0)} times")
+        bs = self._bs
+        partial_fill: dict[int, int] = {}
+        for sid, s in self._seqs.items():
+            n = len(s.tokens)
+            _require(n >= 1, f"sequence {sid!r} is empty")
+            _require(len(s.table) == -(-n // bs), f"sequence {sid!r}: {len(s.table)} blocks for {n} tokens")
+            if n % bs:
+                b = s.table[-1]
+                _require(partial_fill.setdefault(b, n % bs) == n % bs, f"partial block {b} shared at two fills")
+        for sid, s in self._seqs.items():
+            for b in s.table[: len(s.tokens) // bs]:
+                _require(b not in partial_fill, f"block {b} is full in {sid!r} but partial elsewhere")
+        self._check_cache()
+
+    def _check_cache(self) -> None:
+        cache, keys, bs = self._cache, self._pool._keys, self._bs
+        if cache is None:
+            _require(not keys, "blocks carry keys with prefix caching off")
+            return
+        _require(len(cache) == len(keys), f"{len(cache)} hashes mapped, {len(keys)} blocks keyed")
+        for h, b in cache.items():
+            _require(keys.get(b) == h, f"hash maps to block {b}, whose key differs")
+        for sid, s in self._seqs.items():
+            nfull = len(s.tokens) // bs
+            data = token_bytes(s.tokens[: nfull * bs])
+            expect = self._hasher.chain(s.root, data, 4 * bs, nfull)
+            _require(s.hashes == expect, f"sequence {sid!r}: stored hashes are not its tokens' hashes")
+            for b, h in zip(s.table, expect):
+                k = keys.get(b)
+                _require(k is None or k == h, f"block {b} of {sid!r} is mapped under another content's hash")
+
+
+def _token_list(token_ids: Any) -> list:
+    """A fresh list of the given token ids (numpy arrays become Python ints)."""
+    if type(token_ids) is list or type(token_ids) is tuple:  # the fast path: no ABC checks
+        return list(token_ids)
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1:
+            raise ValueError(f"token ids must be one-dimensional, got shape {token_ids.shape}")
+        return token_ids.tolist()
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Iterable):
+        raise ValueError(f"token ids must be a sequence of ints, got {type(token_ids).__name__}")
+    return list(token_ids)
+
+
+def _as_token(token: Any) -> int:
+    """Accept numpy integers as token ids; reject floats, bools' cousins and everything else."""
+    if isinstance(token, (float, str, bytes)) or isinstance(token, np.floating):
+        raise ValueError(f"token id must be an integer, got {token!r}")
+    try:
+        return operator.index(token)
+    except TypeError:
+        raise ValueError(f"token id must be an integer, got {type(token).__name__}") from None
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise AssertionError(msg)

@@ -1,0 +1,289 @@
+"""BlockPool: reference counts, the clean free list, and the evictable (cached-free) LRU.
+
+The pool knows nothing of sequences or of what a key means. It hands out physical block ids,
+counts references to them, and when a block's last reference goes it files the block as either
+
+* **clean** (no content worth keeping): pushed on a LIFO stack, the next to be handed out, or
+* **cached-free** (it carries a key, e.g. a prefix hash): appended to an LRU, still revivable by
+  :meth:`revive`, and evicted oldest-first only when no clean block is left. Eviction drops the
+  key and calls ``on_evict(block, key)`` so the owner can forget it.
+
+Every block is in exactly one of three states: in use (refcount > 0), clean, or cached-free.
+
+Bookkeeping is one list slot (8 bytes) of refcount per block, shared zeros until used; a block
+that was never handed out has no free-list entry at all: the clean stack sits on top of a
+watermark ``[fresh, num_blocks)`` of never-used blocks, handed out lowest first. So a fresh pool
+of 1,000,000 blocks costs one 8 MB list and builds in a few milliseconds, and hands out 0, 1, 2, …
+
+Engines that keep their own block tables can use the pool alone::
+
+    pool = BlockPool(1024)
+    a, b = pool.allocate(2)        # [0, 1]
+    pool.incref(a)                 # a shared by two tables
+    pool.release_all([b, a])       # b is clean again; a still has one reference
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Hashable, Iterable, Optional
+
+from .types import OutOfBlocks
+
+__all__ = ["BlockPool"]
+
+EvictCallback = Callable[[int, Hashable], None]
+
+
+class BlockPool:
+    """Physical block ids with refcounts, a LIFO clean stack and an LRU of cached-free blocks."""
+
+    __slots__ = ("_num_blocks", "_rc", "_clean", "_fresh", "_lru", "_keys", "on_evict", "evictions")
+
+    def __init__(self, num_blocks: int, on_evict: Optional[EvictCallback] = None) -> None:
+        if type(num_blocks) is not int or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        if on_evict is not None and not callable(on_evict):
+            raise ValueError("on_evict must be callable or None")
+        self._num_blocks = num_blocks
+        self._rc: list[int] = [0] * num_blocks  # refcount per block (hot paths read it directly)
+        self._clean: list[int] = []  # freed clean blocks; top (end) is handed out first
+        self._fresh = 0  # blocks [_fresh, num_blocks) were never handed out
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached-free, least recently freed first
+        self._keys: dict[int, Hashable] = {}  # block -> key, for in-use and cached-free blocks
+        self.on_evict = on_evict
+        self.evictions = 0
+
+    # ---- sizes -------------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def num_clean(self) -> int:
+        """Free blocks holding nothing worth keeping (never used, or freed without a key)."""
+        return len(self._clean) + self._num_blocks - self._fresh
+
+    @property
+    def num_cached(self) -> int:
+        """Free blocks whose content is still revivable (they carry a key)."""
+        return len(self._lru)
+
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation can take: clean plus cached-free (evicted on demand)."""
+        return len(self._clean) + self._num_blocks - self._fresh + len(self._lru)
+
+    @property
+    def num_used(self) -> int:
+        return self._fresh - len(self._clean) - len(self._lru)
+
+    # ---- queries -----------------------------------------------------------------------------
+
+    def refcount(self, block: int) -> int:
+        self._check_id(block)
+        return self._rc[block]
+
+    def key(self, block: int) -> Optional[Hashable]:
+        """The block's key (in use or cached-free), or None."""
+        self._check_id(block)
+        return self._keys.get(block)
+
+    def is_cached(self, block: int) -> bool:
+        """True when the block is free but revivable."""
+        self._check_id(block)
+        return block in self._lru
+
+    # ---- allocation --------------------------------------------------------------------------
+
+    def allocate(self, n: int = 1) -> list[int]:
+        """Take ``n`` blocks, each with refcount 1: clean ones first (most recently freed first,
+        then never-used lowest first), then by evicting the least recently freed cached blocks.
+
+        Atomic: raises :class:`OutOfBlocks` and changes nothing if fewer than ``n`` are free.
+        """
+        if type(n) is not int or n < 0:
+            raise ValueError(f"n must be a non-negative int, got {n!r}")
+        available = self.num_free
+        if n > available:
+            raise OutOfBlocks(n, available)
+        return self._take(n)
+
+    def _take(self, n: int) -> list[int]:
+        """Allocation without checks; the caller has made sure ``n <= num_free``."""
+        clean = self._clean
+        k = min(n, len(clean))
+        out = clean[len(clean) - k :]
+        out.reverse()
+        del clean[len(clean) - k :]
+        n -= k
+        if n:
+            m = min(n, self._num_blocks - self._fresh)
+            out.extend(range(self._fresh, self._fresh + m))
+            self._fresh += m
+            if n > m:
+                out += self._evict_oldest_n(n - m)
+        rc = self._rc
+        for b in out:
+            rc[b] = 1
+        return out
+
+    def _take_one(self) -> int:
+        """One block, refcount 1, or OutOfBlocks(1, 0): the per-token hot path."""
+        clean = self._clean
+        if clean:
+            b = clean.pop()
+        elif self._fresh < self._num_blocks:
+            b = self._fresh
+            self._fresh = b + 1
+        elif self._lru:
+            b = self._evict_oldest()
+        else:
+            raise OutOfBlocks(1, 0)
+        self._rc[b] = 1
+        return b
+
+    def _evict_oldest_n(self, n: int) -> list[int]:
+        """Evict the ``n`` least recently freed cached blocks (an admission may need 50)."""
+        pop, keys_pop, on_evict = self._lru.popitem, self._keys.pop, self.on_evict
+        out = [pop(False)[0] for _ in range(n)]
+        self.evictions += n
+        if on_evict is None:
+            for b in out:
+                del self._keys[b]
+        else:
+            for b in out:
+                on_evict(b, keys_pop(b))
+        return out
+
+    def _evict_oldest(self) -> int:
+        b, _ = self._lru.popitem(last=False)
+        key = self._keys.pop(b)
+        self.evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(b, key)
+        return b
+
+    # ---- references --------------------------------------------------------------------------
+
+    def incref(self, block: int) -> None:
+        """One more holder of an in-use block (a fork, a prefix hit on a live block)."""
+        self._check_in_use(block)
+        self._rc[block] += 1
+
+    def incref_all(self, blocks: Iterable[int]) -> None:
+        blocks = list(blocks)
+        for b in blocks:
+            self._check_in_use(b)
+        rc = self._rc
+        for b in blocks:
+            rc[b] += 1
+
+    def release(self, block: int) -> None:
+        """Drop one reference; at zero the block becomes cached-free (keyed) or clean."""
+        self._check_in_use(block)
+        self._release_all((block,))
+
+    def release_all(self, blocks: Iterable[int]) -> None:
+        """Drop one reference to each block, in the given order (which sets the LRU order).
+
+        Validated first, so a bad id or an over-release changes nothing.
+        """
+        blocks = list(blocks)
+        need: dict[int, int] = {}
+        for b in blocks:
+            self._check_id(b)
+            need[b] = need.get(b, 0) + 1
+        for b, k in need.items():
+            if self._rc[b] < k:
+                raise ValueError(f"block {b} has {self._rc[b]} references, cannot release {k}")
+        self._release_all(blocks)
+
+    def _release_all(self, blocks: Iterable[int]) -> None:
+        rc, keys, lru, clean = self._rc, self._keys, self._lru, self._clean
+        for b in blocks:
+            c = rc[b] - 1
+            rc[b] = c
+            if not c:
+                if b in keys:
+                    lru[b] = None
+                else:
+                    clean.append(b)
+
+    def revive(self, block: int) -> None:
+        """Bring a cached-free block back into use with refcount 1 (a prefix hit), O(1)."""
+        self._check_id(block)
+        if block not in self._lru:
+            raise ValueError(f"block {block} is not cached-free")
+        del self._lru[block]
+        self._rc[block] = 1
+
+    def _acquire(self, block: int) -> None:
+        """Unchecked: +1 reference to a block that is in use or cached-free."""
+        if self._rc[block]:
+            self._rc[block] += 1
+        else:
+            del self._lru[block]
+            self._rc[block] = 1
+
+    # ---- keys --------------------------------------------------------------------------------
+
+    def set_key(self, block: int, key: Hashable) -> None:
+        """Mark an in-use block's content as worth keeping after its last release."""
+        self._check_in_use(block)
+        if key is None:
+            raise ValueError("key must not be None")
+        self._keys[block] = key
+
+    def drop_key(self, block: int) -> None:
+        """Forget a block's key; a cached-free block becomes clean (pushed on the clean stack)."""
+        self._check_id(block)
+        if self._keys.pop(block, None) is not None and block in self._lru:
+            del self._lru[block]
+            self._clean.append(block)
+
+    def clear_cached(self) -> list[tuple[int, Hashable]]:
+        """Every cached-free block becomes clean (oldest pushed first); returns (block, key) pairs.
+
+        Keys of in-use blocks are kept. ``on_evict`` is not called: the caller is clearing.
+        """
+        out = [(b, self._keys.pop(b)) for b in self._lru]
+        self._lru.clear()
+        self._clean.extend(b for b, _ in out)
+        return out
+
+    # ---- checks ------------------------------------------------------------------------------
+
+    def _check_id(self, block: int) -> None:
+        if type(block) is not int or not 0 <= block < self._num_blocks:
+            raise ValueError(f"block id must be an int in [0, {self._num_blocks}), got {block!r}")
+
+    def _check_in_use(self, block: int) -> None:
+        self._check_id(block)
+        if not self._rc[block]:
+            raise ValueError(f"block {block} is free")
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless every block is in exactly one consistent state."""
+        n, rc = self._num_blocks, self._rc
+        _require(0 <= self._fresh <= n, f"watermark {self._fresh} outside [0, {n}]")
+        clean, lru = self._clean, self._lru
+        _require(len(set(clean)) == len(clean), "a block is twice on the clean stack")
+        _require(not set(clean) & set(lru), "a block is both clean and cached-free")
+        for b in clean:
+            _require(b < self._fresh and rc[b] == 0, f"clean block {b} is in use or never used")
+            _require(b not in self._keys, f"clean block {b} has a key")
+        for b in lru:
+            _require(b < self._fresh and rc[b] == 0, f"cached-free block {b} is in use")
+            _require(b in self._keys, f"cached-free block {b} has no key")
+        for b in range(self._fresh, n):
+            _require(rc[b] == 0 and b not in self._keys, f"never-used block {b} has state")
+        used = sum(1 for c in rc if c > 0)
+        _require(min(rc) >= 0, "negative refcount")
+        _require(used == self.num_used, f"{used} blocks referenced, {self.num_used} counted used")
+        _require(used + self.num_clean + self.num_cached == n, "free + cached + used != total")
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise AssertionError(msg)

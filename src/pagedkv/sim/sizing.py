@@ -1,0 +1,400 @@
+"""How many bytes one token's keys and values take, and how many tokens fit on a GPU.
+
+Every number here is computed from a model's architecture (the fields of its Hugging Face
+``config.json``), never typed in as a byte total. The formulas:
+
+- multi-head / grouped-query / multi-query attention (MHA, GQA, MQA) store a key and a value
+  vector per KV head per layer::
+
+      bytes/token = 2 x layers x kv_heads x head_dim x dtype_bytes
+
+  Llama-3.1-8B (32 layers, 8 KV heads of 128, bf16): 2 x 32 x 8 x 128 x 2 = 131,072 (128 KiB).
+- multi-head latent attention (MLA, DeepSeek-V2/V3) caches one compressed latent per layer, shared
+  by all heads: ``kv_lora_rank`` for the keys and values plus ``qk_rope_head_dim`` for the decoupled
+  rotary key::
+
+      bytes/token = layers x (kv_lora_rank + qk_rope_head_dim) x dtype_bytes
+
+  DeepSeek-V3: 61 x (512 + 64) x 2 = 70,272.
+
+Tensor parallelism splits KV heads across GPUs: each GPU holds ``ceil(kv_heads / tp)`` heads, so
+when ``tp > kv_heads`` every GPU holds one head (the heads are replicated) and the total over all
+GPUs exceeds the unsharded size. MLA's latent belongs to no head, so every GPU holds all of it.
+
+A GPU's KV budget is what vLLM reserves: ``gpu_memory x utilisation - weights`` (activations and
+the CUDA context come out of the ``1 - utilisation`` margin). Blocks = floor(budget / block bytes).
+Worked number (vLLM paper, Table 1): OPT-13B has 819,200 bytes/token; 12 GiB of KV holds
+12 x 2**30 / 819,200 = 15,728 token slots, the paper's "15.7K" (with 10**9-byte GB it would be
+14,648, so the paper's GB is GiB).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = [
+    "ModelSpec",
+    "KVSize",
+    "Capacity",
+    "GIB",
+    "DTYPE_BYTES",
+    "dtype_bytes",
+    "spec_from_config",
+    "load_config",
+    "builtin_models",
+    "get_model",
+    "kv_size",
+    "kv_bytes_per_token",
+    "kv_budget_bytes",
+    "fit_blocks",
+    "estimate_weight_bytes",
+]
+
+GIB = 1 << 30  # bytes in a GiB; the vLLM paper's "GB" (see the module docstring)
+
+# Bytes per element of the KV cache for each dtype name a config or a user may give.
+DTYPE_BYTES: dict[str, int] = {
+    "float64": 8, "double": 8, "fp64": 8,
+    "float32": 4, "float": 4, "fp32": 4,
+    "float16": 2, "half": 2, "fp16": 2,
+    "bfloat16": 2, "bf16": 2,
+    "float8": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,
+    "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1,
+    "int8": 1, "uint8": 1,
+}
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element for a dtype name (``"bfloat16"``, ``"torch.float16"``, ``"fp8"`` ...).
+
+    Example: ``dtype_bytes("torch.bfloat16") == 2``.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"dtype must be a non-empty string, got {name!r}")
+    key = name.strip().lower().removeprefix("torch.")
+    if key not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {name!r}; known: {', '.join(sorted(DTYPE_BYTES))}")
+    return DTYPE_BYTES[key]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The architecture facts that decide KV size (a subset of a ``config.json``).
+
+    ``kv_lora_rank``/``qk_rope_head_dim`` are set only for MLA models. ``vocab_size``,
+    ``intermediate_size`` and ``tie_word_embeddings`` are kept only to estimate the weights of dense
+    models (``estimate_weight_bytes``); they do not enter the KV size.
+    """
+
+    name: str
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    dtype: str = "bfloat16"
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    vocab_size: int | None = None
+    intermediate_size: int | None = None
+    tie_word_embeddings: bool = False
+    gated_mlp: bool = True
+    dense: bool = True
+
+    def __post_init__(self) -> None:
+        for field_name in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "hidden_size"):
+            v = getattr(self, field_name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{self.name}: {field_name} must be a positive int, got {v!r}")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(f"{self.name}: {self.num_attention_heads} attention heads are not a "
+                             f"multiple of {self.num_kv_heads} KV heads")
+        if (self.kv_lora_rank is None) != (self.qk_rope_head_dim is None):
+            raise ValueError(f"{self.name}: MLA needs both kv_lora_rank and qk_rope_head_dim")
+        if self.is_mla and (self.kv_lora_rank < 1 or self.qk_rope_head_dim < 0):
+            raise ValueError(f"{self.name}: kv_lora_rank must be >= 1 and qk_rope_head_dim >= 0")
+        dtype_bytes(self.dtype)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    @property
+    def attention(self) -> str:
+        """``"MLA"``, ``"MHA"`` (one KV head per query head), ``"MQA"`` (one KV head) or ``"GQA"``."""
+        if self.is_mla:
+            return "MLA"
+        if self.num_kv_heads == self.num_attention_heads:
+            return "MHA"
+        return "MQA" if self.num_kv_heads == 1 else "GQA"
+
+
+# ---- reading config.json ------------------------------------------------------------------------
+
+_ALIASES = {
+    "num_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "num_attention_heads": ("num_attention_heads", "n_head", "n_heads", "num_heads"),
+    "hidden_size": ("hidden_size", "n_embd", "d_model", "dim"),
+    "num_kv_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num"),
+    "intermediate_size": ("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size"),
+}
+
+
+def _first(cfg: Mapping[str, Any], field_name: str) -> Any:
+    for k in _ALIASES[field_name]:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    return None
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    """Read a ``config.json`` file (a clear ValueError when missing or not a JSON object)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"config file {p} does not exist")
+    try:
+        cfg = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{p}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+def spec_from_config(config: Mapping[str, Any] | str | Path, name: str | None = None) -> ModelSpec:
+    """Build a :class:`ModelSpec` from a Hugging Face config (dict, or path to ``config.json``).
+
+    Handles the field spellings of Llama/Mistral/Qwen (``num_key_value_heads``), GPT-2/Falcon
+    (``n_layer``, ``n_head_kv``, ``multi_query``), OPT (``ffn_dim``), DeepSeek (``kv_lora_rank``) and
+    multimodal wrappers (``text_config``). ``head_dim`` is used when present, else
+    ``hidden_size // num_attention_heads``; no KV-head field means MHA.
+    Example: ``{"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "hidden_size": 4096, "torch_dtype": "bfloat16"}`` -> 131,072 bytes per token.
+    """
+    if isinstance(config, (str, Path)):
+        name = name or Path(config).parent.name or Path(config).stem
+        config = load_config(config)
+    if not isinstance(config, Mapping):
+        raise ValueError(f"config must be a mapping or a path, got {type(config).__name__}")
+    cfg = dict(config)
+    if _first(cfg, "num_layers") is None and isinstance(cfg.get("text_config"), Mapping):
+        outer_dtype = cfg.get("torch_dtype") or cfg.get("dtype")
+        cfg = {"torch_dtype": outer_dtype, **cfg["text_config"]}
+    missing = [f for f in ("num_layers", "num_attention_heads", "hidden_size") if _first(cfg, f) is None]
+    if missing:
+        raise ValueError(f"config lacks {', '.join(missing)} (looked for {[_ALIASES[m] for m in missing]})")
+    heads = int(_first(cfg, "num_attention_heads"))
+    hidden = int(_first(cfg, "hidden_size"))
+    kv_heads = _first(cfg, "num_kv_heads")
+    if kv_heads is None:
+        kv_heads = 1 if cfg.get("multi_query") else heads
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            raise ValueError(f"hidden_size {hidden} is not divisible by {heads} heads and no head_dim given")
+        head_dim = hidden // heads
+    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float16"
+    mla = cfg.get("kv_lora_rank") is not None
+    model_type = str(cfg.get("model_type", ""))
+    return ModelSpec(
+        name=name or cfg.get("_name_or_path") or model_type or "config",
+        num_layers=int(_first(cfg, "num_layers")),
+        num_attention_heads=heads,
+        num_kv_heads=int(kv_heads),
+        head_dim=int(head_dim),
+        hidden_size=hidden,
+        dtype=str(dtype),
+        kv_lora_rank=int(cfg["kv_lora_rank"]) if mla else None,
+        qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 0) if mla else None,
+        vocab_size=cfg.get("vocab_size"),
+        intermediate_size=_first(cfg, "intermediate_size"),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "opt")),
+        gated_mlp=model_type not in ("opt", "gpt2", "gptj", "gpt_neox", "falcon", "bloom"),
+        dense=not (cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts")),
+    )
+
+
+# ---- the built-in table: config.json fields of common models (architecture facts, not bytes) ---
+
+_BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
+    "Llama-3.1-8B": dict(model_type="llama", num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, hidden_size=4096, intermediate_size=14336,
+                         vocab_size=128256, torch_dtype="bfloat16"),
+    "Llama-3.1-70B": dict(model_type="llama", num_hidden_layers=80, num_attention_heads=64,
+                          num_key_value_heads=8, hidden_size=8192, intermediate_size=28672,
+                          vocab_size=128256, torch_dtype="bfloat16"),
+    "Llama-2-7B": dict(model_type="llama", num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=32, hidden_size=4096, intermediate_size=11008,
+                       vocab_size=32000, torch_dtype="float16"),
+    "Mistral-7B": dict(model_type="mistral", num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, hidden_size=4096, intermediate_size=14336,
+                       vocab_size=32000, torch_dtype="bfloat16"),
+    "Qwen2.5-7B": dict(model_type="qwen2", num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, hidden_size=3584, intermediate_size=18944,
+                       vocab_size=152064, torch_dtype="bfloat16"),
+    "DeepSeek-V3": dict(model_type="deepseek_v3", num_hidden_layers=61, num_attention_heads=128,
+                        num_key_value_heads=128, hidden_size=7168, kv_lora_rank=512,
+                        q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                        intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
+                        vocab_size=129280, torch_dtype="bfloat16"),
+    "OPT-13B": dict(model_type="opt", num_hidden_layers=40, num_attention_heads=40,
+                    hidden_size=5120, ffn_dim=20480, vocab_size=50272, torch_dtype="float16"),
+}
+
+
+def builtin_models() -> dict[str, ModelSpec]:
+    """The built-in models, each parsed from its config fields by :func:`spec_from_config`."""
+    return {name: spec_from_config(cfg, name=name) for name, cfg in _BUILTIN_CONFIGS.items()}
+
+
+def get_model(name: str) -> ModelSpec:
+    """A built-in model by name, case-insensitively (``"llama-3.1-8b"`` works)."""
+    if not isinstance(name, str):
+        raise ValueError(f"model name must be a string, got {name!r}")
+    for known, cfg in _BUILTIN_CONFIGS.items():
+        if known.lower() == name.strip().lower():
+            return spec_from_config(cfg, name=known)
+    raise ValueError(f"unknown model {name!r}; built-in: {', '.join(_BUILTIN_CONFIGS)} "
+                     "(or pass a config.json)")
+
+
+# ---- KV size ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KVSize:
+    """KV bytes of one model under one dtype and tensor-parallel degree.
+
+    ``bytes_per_token`` is what one GPU stores per token (its shard); ``bytes_per_token_total`` sums
+    all ``tp`` GPUs (larger than the unsharded size when heads are replicated, or for MLA).
+    """
+
+    model: str
+    attention: str
+    dtype: str
+    tp: int
+    kv_heads_per_gpu: int  # 0 for MLA (no heads in the cache)
+    elems_per_token_layer: int  # cached elements per token per layer per GPU
+    bytes_per_token: int
+    bytes_per_token_total: int
+    block_size: int
+    bytes_per_block: int
+
+
+def _check_int(name: str, value: Any, lo: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+
+
+def kv_size(spec: ModelSpec, *, dtype: str | None = None, tp: int = 1, block_size: int = 16) -> KVSize:
+    """Per-token and per-block KV bytes of ``spec`` on one of ``tp`` GPUs.
+
+    ``dtype`` overrides the model's own (e.g. ``"fp8"`` for an fp8 KV cache). Example: Llama-3.1-70B
+    at tp=8 keeps 1 of 8 KV heads per GPU: 2 x 80 x 1 x 128 x 2 = 40,960 bytes per token per GPU;
+    at tp=16 each head is stored twice and the per-GPU size stays 40,960.
+    """
+    if not isinstance(spec, ModelSpec):
+        raise ValueError(f"spec must be a ModelSpec, got {type(spec).__name__}")
+    _check_int("tp", tp)
+    _check_int("block_size", block_size)
+    dt = dtype if dtype is not None else spec.dtype
+    nbytes = dtype_bytes(dt)
+    if spec.is_mla:
+        heads_per_gpu = 0
+        elems = spec.kv_lora_rank + spec.qk_rope_head_dim
+    else:
+        heads_per_gpu = math.ceil(spec.num_kv_heads / tp)
+        elems = 2 * heads_per_gpu * spec.head_dim
+    per_token = spec.num_layers * elems * nbytes
+    return KVSize(
+        model=spec.name, attention=spec.attention, dtype=dt.removeprefix("torch."), tp=tp,
+        kv_heads_per_gpu=heads_per_gpu, elems_per_token_layer=elems,
+        bytes_per_token=per_token, bytes_per_token_total=per_token * tp,
+        block_size=block_size, bytes_per_block=per_token * block_size,
+    )
+
+
+def kv_bytes_per_token(model: ModelSpec | str | Mapping[str, Any], *, dtype: str | None = None, tp: int = 1) -> int:
+    """Shortcut: KV bytes per token on one GPU for a built-in name, a config dict or a spec."""
+    if isinstance(model, str):
+        spec = get_model(model)
+    elif isinstance(model, Mapping):
+        spec = spec_from_config(model)
+    else:
+        spec = model
+    return kv_size(spec, dtype=dtype, tp=tp).bytes_per_token
+
+
+# ---- capacity -----------------------------------------------------------------------------------
+
+
+def estimate_weight_bytes(spec: ModelSpec, *, dtype: str | None = None, tp: int = 1) -> int | None:
+    """Rough weight bytes per GPU of a dense decoder (``None`` for MoE or when fields are missing).
+
+    Counts embeddings (twice unless tied), attention projections (q and o: hidden x heads x head_dim;
+    k and v: hidden x kv_heads x head_dim) and the MLP (3 matrices when gated, 2 otherwise); biases
+    and norms are ignored (< 0.1%). Llama-3.1-8B: 8.03e9 parameters -> 16.06e9 bytes in bf16.
+    """
+    if not isinstance(spec, ModelSpec):
+        raise ValueError(f"spec must be a ModelSpec, got {type(spec).__name__}")
+    _check_int("tp", tp)
+    if spec.is_mla or not spec.dense or not spec.vocab_size or not spec.intermediate_size:
+        return None
+    h, d = spec.hidden_size, spec.head_dim
+    attn = h * d * (2 * spec.num_attention_heads + 2 * spec.num_kv_heads)
+    mlp = (3 if spec.gated_mlp else 2) * h * spec.intermediate_size
+    emb = spec.vocab_size * h * (1 if spec.tie_word_embeddings else 2)
+    params = spec.num_layers * (attn + mlp) + emb
+    return math.ceil(params * dtype_bytes(dtype or spec.dtype) / tp)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What fits in a KV budget: whole blocks, and the token slots they hold."""
+
+    kv_budget_bytes: int
+    bytes_per_block: int
+    num_blocks: int
+    token_slots: int
+
+
+def kv_budget_bytes(gpu_mem_gib: float, util: float, weights_gib: float) -> int:
+    """``gpu_mem x util - weights`` in bytes (GiB inputs). 80 GiB x 0.9 - 16 GiB = 56 GiB."""
+    for name, v in (("gpu_mem_gib", gpu_mem_gib), ("weights_gib", weights_gib)):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+    if not isinstance(util, (int, float)) or not 0 < util <= 1:
+        raise ValueError(f"util must be in (0, 1], got {util!r}")
+    budget = gpu_mem_gib * util - weights_gib
+    if budget <= 0:
+        raise ValueError(f"no memory left for KV: {gpu_mem_gib} GiB x {util} - {weights_gib} GiB "
+                         f"weights = {budget:.3g} GiB")
+    return int(budget * GIB)
+
+
+def fit_blocks(size: KVSize, *, kv_budget_gib: float | None = None, gpu_mem_gib: float | None = None,
+               util: float = 0.9, weights_gib: float | None = None) -> Capacity:
+    """How many blocks and token slots of ``size`` fit, from a KV budget or from a GPU's memory.
+
+    Give either ``kv_budget_gib`` or ``gpu_mem_gib`` and ``weights_gib``. Example: OPT-13B, block
+    size 16, 12 GiB of KV -> floor(12 x 2**30 / (819,200 x 16)) = 983 blocks = 15,728 token slots.
+    """
+    if not isinstance(size, KVSize):
+        raise ValueError(f"size must be a KVSize, got {type(size).__name__}")
+    if kv_budget_gib is not None:
+        if gpu_mem_gib is not None:
+            raise ValueError("give kv_budget_gib or gpu_mem_gib, not both")
+        if not isinstance(kv_budget_gib, (int, float)) or not math.isfinite(kv_budget_gib) or kv_budget_gib <= 0:
+            raise ValueError(f"kv_budget_gib must be a finite number > 0, got {kv_budget_gib!r}")
+        budget = int(kv_budget_gib * GIB)
+    elif gpu_mem_gib is not None:
+        if weights_gib is None:
+            raise ValueError("gpu_mem_gib needs weights_gib (the model's weight memory per GPU)")
+        budget = kv_budget_bytes(gpu_mem_gib, util, weights_gib)
+    else:
+        raise ValueError("give kv_budget_gib, or gpu_mem_gib with weights_gib")
+    blocks = budget // size.bytes_per_block
+    return Capacity(budget, size.bytes_per_block, blocks, blocks * size.block_size)

@@ -1,0 +1,451 @@
+"""The physical KV store: the tensors the block tables point into.
+
+One array holds every layer's keys and values, shaped ``[layers, 2, num_blocks, block_size,
+kv_heads, head_dim]``. Slicing ``[layer, 0]`` gives that layer's key cache in the layout FlashInfer
+calls NHD (``[num_pages, page_size, num_heads, head_dim]``), ``[layer, 1]`` its value cache. Keeping
+all layers in one array is what lets :meth:`KVStore.copy_blocks` run a step's copy-on-write copies
+for every layer at once: one gather and one scatter along the block axis, not ``2 × layers``
+kernels.
+
+The store knows nothing of sequences. It takes what the allocator hands out: slot indices
+(``slot = block_id * block_size + offset``), block pairs (:class:`~pagedkv.types.CopyOp`), and
+block tables. Worked size: Llama-3.1-8B (32 layers, 8 KV heads, head_dim 128, bf16) with 16-token
+blocks stores ``2 * 32 * 16 * 8 * 128 * 2 = 2,097,152`` bytes per block (128 KiB per token).
+
+numpy is the default backend; ``backend="torch"`` keeps the tensors in torch (imported only then),
+which the model layer uses to avoid a copy per layer.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+__all__ = ["KVStore", "dense_attention", "kv_bytes_per_block"]
+
+_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def _torch():
+    """Import torch on first use, so that ``import pagedkv.store`` needs only numpy."""
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover - exercised only where torch is absent
+        raise ImportError("backend='torch' needs torch (pip install 'pagedkv[model]')") from e
+    return torch
+
+
+def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       dtype: str = "float32") -> int:
+    """Bytes of K and V that one physical block holds across all layers.
+
+    This is what one copy-on-write copy moves. Worked number: the test model (2 layers, 2 KV
+    heads, head_dim 16, float32) with 16-token blocks: ``2 * 2 * 16 * 2 * 16 * 4 = 8,192`` bytes.
+    """
+    for name, v in (("num_layers", num_layers), ("block_size", block_size),
+                    ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        _check_positive_int(name, v)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * _DTYPES[dtype]
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+# ---- backend shims: the handful of array operations whose spelling differs between numpy and torch.
+
+
+class _NumpyOps:
+    name = "numpy"
+
+    @staticmethod
+    def zeros(shape, dtype):
+        return np.zeros(shape, dtype=np.dtype(dtype))
+
+    @staticmethod
+    def index(idx: np.ndarray):
+        return idx
+
+    @staticmethod
+    def asarray(x, like):
+        if type(x).__module__.startswith("torch"):
+            x = x.detach().cpu().numpy()
+        return np.asarray(x, dtype=like.dtype)
+
+    @staticmethod
+    def permute(x, perm):
+        return x.transpose(perm)
+
+    @staticmethod
+    def swap_last(x):
+        return x.swapaxes(-1, -2)
+
+    @staticmethod
+    def amax(x):
+        return x.max(axis=-1, keepdims=True)
+
+    @staticmethod
+    def sum_last(x):
+        return x.sum(axis=-1, keepdims=True)
+
+    exp = staticmethod(np.exp)
+
+    @staticmethod
+    def masked_fill(x, keep, value):
+        return np.where(keep, x, value)
+
+    @staticmethod
+    def compute_dtype(x):
+        return x.astype(np.float32) if x.dtype == np.float16 else x
+
+
+class _TorchOps:
+    name = "torch"
+
+    def __init__(self, device: str) -> None:
+        self.t = _torch()
+        self.device = device
+
+    def zeros(self, shape, dtype):
+        return self.t.zeros(shape, dtype=getattr(self.t, dtype), device=self.device)
+
+    def index(self, idx: np.ndarray):
+        return self.t.from_numpy(np.ascontiguousarray(idx)).to(self.device)
+
+    def asarray(self, x, like):
+        return self.t.as_tensor(x, dtype=like.dtype, device=like.device)
+
+    @staticmethod
+    def permute(x, perm):
+        return x.permute(perm)
+
+    @staticmethod
+    def swap_last(x):
+        return x.transpose(-1, -2)
+
+    @staticmethod
+    def amax(x):
+        return x.amax(dim=-1, keepdim=True)
+
+    @staticmethod
+    def sum_last(x):
+        return x.sum(dim=-1, keepdim=True)
+
+    def exp(self, x):
+        return self.t.exp(x)
+
+    def masked_fill(self, x, keep, value):
+        return x.masked_fill(~keep, value)
+
+    def compute_dtype(self, x):
+        return x.float() if x.dtype in (self.t.float16, self.t.bfloat16) else x
+
+
+def _ops_for(x) -> Any:
+    if type(x).__module__.startswith("torch"):
+        return _TorchOps(str(x.device))
+    return _NumpyOps()
+
+
+# ---- index validation, shared by every public method
+
+
+def _as_index(values: Any, name: str) -> np.ndarray:
+    """A 1-D or 2-D int64 numpy array from a list, numpy array or torch tensor."""
+    if type(values).__module__.startswith("torch"):
+        values = values.detach().cpu().numpy()
+    arr = np.asarray(values)
+    if arr.size == 0:
+        return arr.astype(np.int64).reshape(arr.shape)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _check_range(arr: np.ndarray, hi: int, name: str) -> None:
+    if arr.size and (arr.min() < 0 or arr.max() >= hi):
+        raise ValueError(f"{name} must lie in [0, {hi}), got range [{arr.min()}, {arr.max()}]")
+
+
+def _copy_waves(pairs: np.ndarray) -> list[tuple[int, int]]:
+    """Split copy ops into runs that one gather + scatter may execute without changing the result.
+
+    The allocator's copies are meant to run in order. A gather-then-scatter of a whole run equals
+    running it in order unless a later op reads a block an earlier op of the run wrote (a chain
+    ``A->B, B->C``, which must see the new ``B``), or two ops write the same block. Such ops start a
+    new run. Worked example: ``[(1,5), (2,6), (5,7)]`` -> runs ``[0, 2)`` and ``[2, 3)``. A normal
+    step (distinct fresh destinations) is a single run: one vectorised copy.
+    """
+    runs, start, written = [], 0, set()
+    for i, (src, dst) in enumerate(pairs.tolist()):
+        if src in written or dst in written:
+            runs.append((start, i))
+            start, written = i, set()
+        written.add(dst)
+    if start < len(pairs):
+        runs.append((start, len(pairs)))
+    return runs
+
+
+class KVStore:
+    """Physical K/V tensors for ``num_layers`` layers, addressed by slot and by block table.
+
+    ``store.write(layer, slots, k, v)`` puts a step's keys/values at the slots the allocator
+    returned; ``store.copy_blocks(manager.take_copies())`` runs the queued copy-on-write copies
+    (call it before the step's writes); ``store.paged_attention(layer, q, tables, seq_lens)``
+    attends straight through block tables. Example: ``KVStore(2, 64, 16, 2, 16)`` holds 64 blocks of
+    16 tokens for 2 layers of 2 KV heads × 16 dims; ``nbytes`` is ``2*2*64*16*2*16*4 = 524,288``.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, *, dtype: str = "float32", backend: str = "numpy",
+                 device: str = "cpu") -> None:
+        for name, v in (("num_layers", num_layers), ("num_blocks", num_blocks),
+                        ("block_size", block_size), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim)):
+            _check_positive_int(name, v)
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if backend not in ("numpy", "torch"):
+            raise ValueError(f"backend must be 'numpy' or 'torch', got {backend!r}")
+        if backend == "numpy" and dtype == "bfloat16":
+            raise ValueError("numpy has no bfloat16; use backend='torch' or another dtype")
+        if backend == "numpy" and device != "cpu":
+            raise ValueError(f"the numpy backend lives on the cpu, got device={device!r}")
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_kv_heads, self.head_dim, self.dtype, self.backend = num_kv_heads, head_dim, dtype, backend
+        self._ops = _TorchOps(device) if backend == "torch" else _NumpyOps()
+        self.kv = self._ops.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype)
+
+    # ---- sizes
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block holds across all layers, K and V: what one CoW copy moves."""
+        return kv_bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads,
+                                  self.head_dim, self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the whole store in bytes (``num_blocks * bytes_per_block``)."""
+        return self.num_blocks * self.bytes_per_block
+
+    def key_cache(self, layer: int):
+        """Layer ``layer``'s key cache, NHD: ``[num_blocks, block_size, kv_heads, head_dim]`` (a view)."""
+        self._check_layer(layer)
+        return self.kv[layer, 0]
+
+    def value_cache(self, layer: int):
+        """Layer ``layer``'s value cache, NHD (a view)."""
+        self._check_layer(layer)
+        return self.kv[layer, 1]
+
+    def _check_layer(self, layer: int) -> None:
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
+
+    # ---- writes and copies
+
+    def write(self, layer: int, slots: Any, k: Any, v: Any) -> None:
+        """Store one step's keys and values: token ``i``'s K/V (``[kv_heads, head_dim]``) at ``slots[i]``.
+
+        ``k`` and ``v`` are ``[len(slots), kv_heads, head_dim]`` (numpy or torch; converted to the
+        store's backend and dtype). Slots must be distinct: two tokens of one step never share a
+        slot, and if they did the result would depend on the scatter order.
+        """
+        self._check_layer(layer)
+        idx = _as_index(slots, "slots")
+        if idx.ndim != 1:
+            raise ValueError(f"slots must be 1-D, got shape {idx.shape}")
+        _check_range(idx, self.num_slots, "slots")
+        if np.unique(idx).size != idx.size:
+            raise ValueError("slots must be distinct within one write")
+        want = (idx.size, self.num_kv_heads, self.head_dim)
+        kk, vv = self._ops.asarray(k, self.kv), self._ops.asarray(v, self.kv)
+        if tuple(kk.shape) != want or tuple(vv.shape) != want:
+            raise ValueError(f"k and v must be {want}, got {tuple(kk.shape)} and {tuple(vv.shape)}")
+        flat_shape = (self.num_slots, self.num_kv_heads, self.head_dim)
+        where = self._ops.index(idx)
+        self.kv[layer, 0].reshape(flat_shape)[where] = kk
+        self.kv[layer, 1].reshape(flat_shape)[where] = vv
+
+    def copy_blocks(self, copy_ops: Iterable[Sequence[int]]) -> int:
+        """Run copy-on-write copies (``dst[:] = src[:]``) for every layer, K and V; return bytes moved.
+
+        ``copy_ops`` is what ``KVCacheManager.take_copies()`` returned (``CopyOp(src, dst)`` tuples;
+        any ``[n, 2]`` int array works). All layers move in one gather + scatter along the block
+        axis. Ops run in their given order (chained ops are split into successive vectorised runs,
+        see :func:`_copy_waves`). Worked number: 3 copies in the test model with 16-token blocks
+        move ``3 * 8,192 = 24,576`` bytes.
+        """
+        pairs = _as_index(list(copy_ops), "copy_ops")
+        if pairs.size == 0:
+            return 0
+        if pairs.ndim != 2 or pairs.shape[1] != 2:
+            raise ValueError(f"copy_ops must be (src, dst) pairs, got shape {pairs.shape}")
+        _check_range(pairs, self.num_blocks, "copy_ops block ids")
+        for start, end in _copy_waves(pairs):
+            src = self._ops.index(pairs[start:end, 0])
+            dst = self._ops.index(pairs[start:end, 1])
+            self.kv[:, :, dst] = self.kv[:, :, src]
+        return len(pairs) * self.bytes_per_block
+
+    # ---- reads
+
+    def gather(self, layer: int, block_table: Any, num_tokens: int):
+        """One sequence's K and V, ``[num_tokens, kv_heads, head_dim]`` each, in logical order.
+
+        Position ``p`` lives in block ``block_table[p // block_size]`` at offset
+        ``p % block_size``. Only the first ``ceil(num_tokens / block_size)`` entries are read.
+        """
+        self._check_layer(layer)
+        table = _as_index(block_table, "block_table")
+        if table.ndim != 1:
+            raise ValueError(f"block_table must be 1-D, got shape {table.shape}")
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        need = -(-num_tokens // self.block_size)
+        if need > table.size:
+            raise ValueError(f"{num_tokens} tokens need {need} blocks, the table has {table.size}")
+        _check_range(table[:need], self.num_blocks, "block_table entries")
+        where = self._ops.index(table[:need])
+        shape = (need * self.block_size, self.num_kv_heads, self.head_dim)
+        k = self.kv[layer, 0][where].reshape(shape)[:num_tokens]
+        v = self.kv[layer, 1][where].reshape(shape)[:num_tokens]
+        return k, v
+
+    def gather_padded(self, layer: int, block_tables: Any, seq_lens: Any):
+        """K and V of a batch, padded to ``[batch, max(seq_lens), kv_heads, head_dim]``.
+
+        ``block_tables`` is ``[batch, max_blocks]`` (``KVCacheManager.block_tables``, pad ``-1``);
+        entries past a sequence's ``ceil(len / block_size)`` blocks are never read (their rows come
+        back as block 0's data, which attention masks out).
+        """
+        self._check_layer(layer)
+        tables, lens = self._check_tables(block_tables, seq_lens)
+        width = -(-int(lens.max(initial=0)) // self.block_size)
+        cols = tables[:, :width]
+        safe = np.where(np.arange(width)[None, :] < -(-lens[:, None] // self.block_size), cols, 0)
+        where = self._ops.index(safe)
+        shape = (len(lens), width * self.block_size, self.num_kv_heads, self.head_dim)
+        max_len = int(lens.max(initial=0))
+        k = self.kv[layer, 0][where].reshape(shape)[:, :max_len]
+        v = self.kv[layer, 1][where].reshape(shape)[:, :max_len]
+        return k, v
+
+    def check_batch(self, slots: Any, block_tables: Any, seq_lens: Any) -> None:
+        """Raise ValueError unless a step's slots and block tables are valid for this store.
+
+        A model calls this before its first write, so that a bad step fails before any layer's
+        K/V was changed (``write`` and ``paged_attention`` check again, per call).
+        """
+        idx = _as_index(slots, "slots")
+        if idx.ndim != 1:
+            raise ValueError(f"slots must be 1-D, got shape {idx.shape}")
+        _check_range(idx, self.num_slots, "slots")
+        if np.unique(idx).size != idx.size:
+            raise ValueError("slots must be distinct within one step")
+        self._check_tables(block_tables, seq_lens)
+
+    def _check_tables(self, block_tables: Any, seq_lens: Any) -> tuple[np.ndarray, np.ndarray]:
+        tables = _as_index(block_tables, "block_tables")
+        lens = _as_index(seq_lens, "seq_lens")
+        if tables.ndim != 2 or lens.ndim != 1 or tables.shape[0] != lens.shape[0]:
+            raise ValueError(f"block_tables must be [batch, blocks] and seq_lens [batch], got "
+                             f"{tables.shape} and {lens.shape}")
+        if lens.size and lens.min() < 0:
+            raise ValueError("seq_lens must be >= 0")
+        need = -(-lens // self.block_size)
+        if lens.size and need.max() > tables.shape[1]:
+            raise ValueError(f"a sequence of {lens.max()} tokens needs {need.max()} blocks, "
+                             f"the tables have {tables.shape[1]} columns")
+        used = np.arange(tables.shape[1])[None, :] < need[:, None]
+        _check_range(tables[used], self.num_blocks, "block table entries")
+        return tables, lens
+
+    def paged_attention(self, layer: int, q: Any, block_tables: Any, seq_lens: Any,
+                        query_lens: Any = None, scale: float | None = None):
+        """Causal attention for a batch, reading K/V straight through the block tables.
+
+        ``q`` is ``[sum(query_lens), num_heads, head_dim]``: sequence ``i``'s queries are its last
+        ``query_lens[i]`` positions (default 1 each: a decode step), so query ``j`` of sequence ``i``
+        sits at position ``seq_lens[i] - query_lens[i] + j`` and sees keys ``0..`` that position.
+        That covers decode, prefill, and prefill after a prefix-cache hit (queries only for the
+        uncached tail). ``num_heads`` must be a multiple of ``kv_heads`` (grouped-query attention:
+        head ``h`` reads KV head ``h // (num_heads // kv_heads)``). Returns ``[sum(query_lens),
+        num_heads, head_dim]`` in the store's backend.
+        """
+        k, v = self.gather_padded(layer, block_tables, seq_lens)
+        return dense_attention(self._ops.asarray(q, self.kv), k, v, seq_lens, query_lens, scale)
+
+
+def _query_layout(seq_lens: np.ndarray, query_lens: Any, num_q: int):
+    """Per query token: its sequence, its row in the padded query block, its absolute position."""
+    qlens = np.ones_like(seq_lens) if query_lens is None else _as_index(query_lens, "query_lens")
+    if qlens.shape != seq_lens.shape:
+        raise ValueError(f"query_lens must have one entry per sequence, got {qlens.shape} vs {seq_lens.shape}")
+    if qlens.size and (qlens.min() < 0 or (qlens > seq_lens).any()):
+        raise ValueError("query_lens must satisfy 0 <= query_lens <= seq_lens")
+    if int(qlens.sum()) != num_q:
+        raise ValueError(f"q has {num_q} tokens but query_lens sum to {int(qlens.sum())}")
+    seq = np.repeat(np.arange(len(qlens)), qlens)
+    row = np.arange(num_q) - np.repeat(np.cumsum(qlens) - qlens, qlens)
+    return qlens, seq, row
+
+
+def dense_attention(q: Any, k: Any, v: Any, seq_lens: Any, query_lens: Any = None,
+                    scale: float | None = None):
+    """Causal GQA attention over padded, contiguous K/V: the kernel paged attention reduces to.
+
+    ``k``/``v`` are ``[batch, max_len, kv_heads, head_dim]`` (rows past ``seq_lens[i]`` ignored);
+    ``q`` and the query convention are as in :meth:`KVStore.paged_attention`. ``scale`` defaults to
+    ``head_dim ** -0.5`` (0.25 for head_dim 16). numpy or torch in, the same out; half precision is
+    computed in float32. Softmax subtracts the row max, so a fully-visible row of equal scores gives
+    exactly uniform weights.
+    """
+    ops = _ops_for(k)
+    lens = _as_index(seq_lens, "seq_lens")
+    q = ops.asarray(q, k)
+    if q.ndim != 3 or k.ndim != 4 or tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"q must be [tokens, heads, dim], k/v [batch, len, kv_heads, dim]; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    batch, max_len, kv_heads, dim = (int(s) for s in k.shape)
+    num_q, heads = int(q.shape[0]), int(q.shape[1])
+    if int(q.shape[2]) != dim or heads % kv_heads or lens.shape != (batch,) or (lens.size and lens.max() > max_len):
+        raise ValueError(f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, seq_lens {lens.shape}")
+    qlens, seq, row = _query_layout(lens, query_lens, num_q)
+    if num_q == 0:
+        return q[:0]
+    group, qmax = heads // kv_heads, int(qlens.max(initial=0))
+    scale = dim ** -0.5 if scale is None else float(scale)
+    out_dtype = q.dtype
+    q, k, v = ops.compute_dtype(q), ops.compute_dtype(k), ops.compute_dtype(v)
+    # queries padded per sequence: [batch, kv_heads, group * qmax, dim]
+    qp = ops.zeros((batch, qmax, heads, dim), _dtype_name(q))
+    qp[ops.index(seq), ops.index(row)] = q
+    qp = ops.permute(qp.reshape(batch, qmax, kv_heads, group, dim), (0, 2, 3, 1, 4))
+    qp = qp.reshape(batch, kv_heads, group * qmax, dim)
+    kt, vt = ops.permute(k, (0, 2, 1, 3)), ops.permute(v, (0, 2, 1, 3))  # [batch, kv_heads, len, dim]
+    scores = (qp @ ops.swap_last(kt)) * scale
+    scores = scores.reshape(batch, kv_heads, group, qmax, max_len)
+    qpos = (lens - qlens)[:, None] + np.arange(qmax)[None, :]  # [batch, qmax]
+    keep = np.arange(max_len)[None, None, :] <= qpos[:, :, None]  # causal; implies key < seq_len
+    scores = ops.masked_fill(scores, ops.index(keep[:, None, None]), -np.inf)
+    weights = ops.exp(scores - ops.amax(scores))
+    weights = weights / ops.sum_last(weights)
+    out = weights.reshape(batch, kv_heads, group * qmax, max_len) @ vt
+    out = ops.permute(out.reshape(batch, kv_heads, group, qmax, dim), (0, 3, 1, 2, 4))
+    out = out.reshape(batch, qmax, heads, dim)[ops.index(seq), ops.index(row)]
+    return out.astype(out_dtype) if ops.name == "numpy" else out.to(out_dtype)
+
+
+def _dtype_name(x) -> str:
+    return str(x.dtype).replace("torch.", "")
