@@ -97,7 +97,7 @@ class Section:
     data: dict[str, Any] = field(default_factory=dict)  # headline numbers for JSON and tests
 
     def to_text(self) -> str:
-        out = [self.heading, "=" * len(self.heading)]
+        out = [f"{self.heading}\n{'=' * len(self.heading)}"]
         if self.intro:
             out.append(self.intro)
         out += self.text

@@ -1,0 +1,99 @@
+"""``pagedkv report``: the sections that answer what paging costs and saves, and their assembly.
+
+Each section module exposes ``section(opts: ReportOptions) -> Section`` and runs the real
+manager (or the simulator driving it); this package only orders, renders and writes them.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+from ..tables import Section
+from .options import ReportOptions
+
+__all__ = ["SECTIONS", "ReportOptions", "build_report", "write_report", "render_text"]
+
+# key -> module under pagedkv.report; the order is the report's order.
+SECTIONS: dict[str, str] = {
+    "fork_cost": "fork_cost",
+    "cow_case": "cow_case",
+    "cow_proof": "cow_proof",
+    "fig2": "fig2",
+    "block_size": "block_size",
+    "sharing": "sharing",
+    "prefix_hits": "prefix_hits",
+}
+
+
+def _load(key: str) -> Callable[[ReportOptions], Section]:
+    return importlib.import_module(f"{__name__}.{SECTIONS[key]}").section
+
+
+def build_report(
+    opts: ReportOptions,
+    keys: Iterable[str] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[Section]:
+    """Run the chosen sections (default: all) in report order; each reports its own seconds."""
+    keys = list(SECTIONS) if keys is None else list(keys)
+    unknown = [k for k in keys if k not in SECTIONS]
+    if unknown:
+        raise ValueError(f"unknown report sections {unknown}; choose from {list(SECTIONS)}")
+    sections = []
+    for key in keys:
+        if progress:
+            progress(key)
+        t0 = time.perf_counter()
+        sec = _load(key)(opts)
+        sec.data.setdefault("seconds", round(time.perf_counter() - t0, 2))
+        sections.append(sec)
+    return sections
+
+
+def render_text(sections: list[Section]) -> str:
+    return "\n\n\n".join(s.to_text() for s in sections) + "\n"
+
+
+def write_report(sections: list[Section], opts: ReportOptions, out_dir: Path) -> list[Path]:
+    """Write report.json, report.md and (with matplotlib) one PNG per plottable table."""
+    from .plots import plot_available, plot_table
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    pngs: dict[int, list[Path]] = {}
+    if plot_available():
+        for i, sec in enumerate(sections):
+            for j, table in enumerate(sec.tables):
+                path = plot_table(table, out_dir, f"{i + 1:02d}-{sec.key}-{j + 1}")
+                if path is not None:
+                    pngs.setdefault(i, []).append(path)
+                    written.append(path)
+    md = ["# pagedkv report", "", _options_line(opts), ""]
+    for i, sec in enumerate(sections):
+        md.append(sec.to_markdown())
+        md += [f"![{p.stem}]({p.name})" for p in pngs.get(i, [])]
+        md.append("")
+    (out_dir / "report.md").write_text("\n".join(md))
+    payload = {"options": _options_dict(opts), "sections": [s.to_dict() for s in sections]}
+    (out_dir / "report.json").write_text(json.dumps(payload, indent=1, default=_jsonable))
+    return [out_dir / "report.md", out_dir / "report.json", *written]
+
+
+def _options_dict(opts: ReportOptions) -> dict:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items()}
+
+
+def _options_line(opts: ReportOptions) -> str:
+    return "Options: " + ", ".join(f"{k}={v}" for k, v in _options_dict(opts).items())
+
+
+def _jsonable(value):
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, bytes):
+        return value.hex()
+    return str(value)
