@@ -30,6 +30,11 @@ ALGORITHMS = ("sha256", "xxh3", "builtin")
 MAX_TOKEN_ID = 2**32 - 1  # token ids are stored as uint32 (every engine's vocabulary fits)
 _BIG_ENDIAN = sys.byteorder == "big"
 
+try:  # OpenSSL's constructor itself: skips hashlib's Python-level wrapper, ~70 ns a block
+    from _hashlib import openssl_sha256 as _sha256
+except ImportError:  # pragma: no cover - CPython without OpenSSL
+    _sha256 = hashlib.sha256
+
 
 def token_bytes(tokens: Sequence[int]) -> bytes:
     """Token ids as little-endian uint32 bytes; raises ValueError for a non-integer or an id
@@ -94,7 +99,7 @@ class BlockHasher:
         out = []
         append = out.append
         if self.name == "sha256":
-            sha = hashlib.sha256
+            sha = _sha256
             for i in stops:
                 parent = sha(parent + data[i : i + block_bytes]).digest()
                 append(parent)
@@ -114,7 +119,7 @@ class BlockHasher:
 
 def _make_digest(algo: str) -> Callable[[Any, bytes], Hashable]:
     if algo == "sha256":
-        sha = hashlib.sha256
+        sha = _sha256
 
         def digest(parent, data):
             return sha(parent + data).digest() if parent is not None else sha(data).digest()
