@@ -31,7 +31,7 @@ from typing import Any, Hashable, Iterable, Sequence
 import numpy as np
 
 from .hashing import MAX_TOKEN_ID, BlockHasher
-from .pool import BlockPool
+from .pool import BlockPool, as_int
 from .prefix_cache import PrefixCache
 from .types import CopyOp, OutOfBlocks, Usage
 
@@ -78,7 +78,8 @@ class KVCacheManager:
         hash_algo: str = "sha256",
         enable_events: bool = True,
     ) -> None:
-        if type(block_size) is not int or block_size < 1:
+        block_size = as_int(block_size, "block_size")
+        if block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if not isinstance(enable_prefix_caching, bool) or not isinstance(enable_events, bool):
             raise ValueError("enable_prefix_caching and enable_events must be bools")
@@ -255,10 +256,7 @@ class KVCacheManager:
             raise ValueError("a sequence id appears twice in one append_batch")
         bs, rc, pool = self._bs, self._rc, self._pool
         if pool.num_free < len(ss):  # only then can the batch fail: count exactly
-            need = 0
-            for s in ss:
-                if not len(s.tokens) % bs or rc[s.table[-1]] > 1:
-                    need += 1
+            need = self._blocks_for_step(ss)
             if need > pool.num_free:
                 raise OutOfBlocks(need, pool.num_free, "a decode step")
         out = []
@@ -280,6 +278,24 @@ class KVCacheManager:
             if off == last and publish:
                 self._publish_last(s)
         return np.array(out, dtype=np.int64)
+
+    def _blocks_for_step(self, ss: list[_Seq]) -> int:
+        """Blocks one decode step of ``ss`` takes: one per full last block, plus the copies.
+
+        ``k`` batch members sharing a partial block held ``r`` times copy ``min(k, r - 1)``
+        times: each writer copies while another holder remains, the last holder writes in place.
+        """
+        bs, rc = self._bs, self._rc
+        need = 0
+        sharers: dict[int, int] = {}
+        for s in ss:
+            if len(s.tokens) % bs:
+                b = s.table[-1]
+                if rc[b] > 1:
+                    sharers[b] = sharers.get(b, 0) + 1
+            else:
+                need += 1
+        return need + sum(min(k, rc[b] - 1) for b, k in sharers.items())
 
     def _append_unchecked(self, s: _Seq, token_id: int) -> int:
         bs, tokens = self._bs, s.tokens
@@ -408,8 +424,8 @@ class KVCacheManager:
             allocated_slots=allocated,
             internal_fragmentation=1 - stored / allocated if allocated else 0.0,
             blocks_saved_by_sharing=logical_blocks - used,
-            prefix_query_tokens=cache.query_tokens if cache else 0,
-            prefix_hit_tokens=cache.hit_tokens if cache else 0,
+            prefix_query_tokens=cache.query_tokens if cache is not None else 0,
+            prefix_hit_tokens=cache.hit_tokens if cache is not None else 0,
             cow_copies=self._cow_copies,
             forks=self._forks,
             evictions=pool.evictions,

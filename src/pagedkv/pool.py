@@ -24,6 +24,7 @@ Engines that keep their own block tables can use the pool alone::
 """
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from typing import Callable, Hashable, Iterable, Optional
 
@@ -40,7 +41,8 @@ class BlockPool:
     __slots__ = ("_num_blocks", "_rc", "_clean", "_fresh", "_lru", "_keys", "on_evict", "evictions")
 
     def __init__(self, num_blocks: int, on_evict: Optional[EvictCallback] = None) -> None:
-        if type(num_blocks) is not int or num_blocks < 1:
+        num_blocks = as_int(num_blocks, "num_blocks")
+        if num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         if on_evict is not None and not callable(on_evict):
             raise ValueError("on_evict must be callable or None")
@@ -81,17 +83,17 @@ class BlockPool:
     # ---- queries -----------------------------------------------------------------------------
 
     def refcount(self, block: int) -> int:
-        self._check_id(block)
+        block = self._check_id(block)
         return self._rc[block]
 
     def key(self, block: int) -> Optional[Hashable]:
         """The block's key (in use or cached-free), or None."""
-        self._check_id(block)
+        block = self._check_id(block)
         return self._keys.get(block)
 
     def is_cached(self, block: int) -> bool:
         """True when the block is free but revivable."""
-        self._check_id(block)
+        block = self._check_id(block)
         return block in self._lru
 
     # ---- allocation --------------------------------------------------------------------------
@@ -102,7 +104,8 @@ class BlockPool:
 
         Atomic: raises :class:`OutOfBlocks` and changes nothing if fewer than ``n`` are free.
         """
-        if type(n) is not int or n < 0:
+        n = as_int(n, "n")
+        if n < 0:
             raise ValueError(f"n must be a non-negative int, got {n!r}")
         available = self.num_free
         if n > available:
@@ -168,20 +171,18 @@ class BlockPool:
 
     def incref(self, block: int) -> None:
         """One more holder of an in-use block (a fork, a prefix hit on a live block)."""
-        self._check_in_use(block)
+        block = self._check_in_use(block)
         self._rc[block] += 1
 
     def incref_all(self, blocks: Iterable[int]) -> None:
-        blocks = list(blocks)
-        for b in blocks:
-            self._check_in_use(b)
+        blocks = [self._check_in_use(b) for b in blocks]
         rc = self._rc
         for b in blocks:
             rc[b] += 1
 
     def release(self, block: int) -> None:
         """Drop one reference; at zero the block becomes cached-free (keyed) or clean."""
-        self._check_in_use(block)
+        block = self._check_in_use(block)
         self._release_all((block,))
 
     def release_all(self, blocks: Iterable[int]) -> None:
@@ -189,10 +190,9 @@ class BlockPool:
 
         Validated first, so a bad id or an over-release changes nothing.
         """
-        blocks = list(blocks)
+        blocks = [self._check_id(b) for b in blocks]
         need: dict[int, int] = {}
         for b in blocks:
-            self._check_id(b)
             need[b] = need.get(b, 0) + 1
         for b, k in need.items():
             if self._rc[b] < k:
@@ -212,7 +212,7 @@ class BlockPool:
 
     def revive(self, block: int) -> None:
         """Bring a cached-free block back into use with refcount 1 (a prefix hit), O(1)."""
-        self._check_id(block)
+        block = self._check_id(block)
         if block not in self._lru:
             raise ValueError(f"block {block} is not cached-free")
         del self._lru[block]
@@ -230,14 +230,14 @@ class BlockPool:
 
     def set_key(self, block: int, key: Hashable) -> None:
         """Mark an in-use block's content as worth keeping after its last release."""
-        self._check_in_use(block)
+        block = self._check_in_use(block)
         if key is None:
             raise ValueError("key must not be None")
         self._keys[block] = key
 
     def drop_key(self, block: int) -> None:
         """Forget a block's key; a cached-free block becomes clean (pushed on the clean stack)."""
-        self._check_id(block)
+        block = self._check_id(block)
         if self._keys.pop(block, None) is not None and block in self._lru:
             del self._lru[block]
             self._clean.append(block)
@@ -254,14 +254,19 @@ class BlockPool:
 
     # ---- checks ------------------------------------------------------------------------------
 
-    def _check_id(self, block: int) -> None:
-        if type(block) is not int or not 0 <= block < self._num_blocks:
+    def _check_id(self, block: int) -> int:
+        """The block id as a Python int, or ValueError when it is not one in range."""
+        if type(block) is not int:
+            block = as_int(block, "block id")
+        if not 0 <= block < self._num_blocks:
             raise ValueError(f"block id must be an int in [0, {self._num_blocks}), got {block!r}")
+        return block
 
-    def _check_in_use(self, block: int) -> None:
-        self._check_id(block)
+    def _check_in_use(self, block: int) -> int:
+        block = self._check_id(block)
         if not self._rc[block]:
             raise ValueError(f"block {block} is free")
+        return block
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless every block is in exactly one consistent state."""
@@ -282,6 +287,18 @@ class BlockPool:
         _require(min(rc) >= 0, "negative refcount")
         _require(used == self.num_used, f"{used} blocks referenced, {self.num_used} counted used")
         _require(used + self.num_clean + self.num_cached == n, "free + cached + used != total")
+
+
+def as_int(value, what: str) -> int:
+    """``value`` as a Python int (numpy integers welcome); ValueError for bools and non-integers."""
+    if type(value) is int:
+        return value
+    if isinstance(value, bool) or isinstance(value, float):
+        raise ValueError(f"{what} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what} must be an int, got {type(value).__name__}") from None
 
 
 def _require(cond: bool, msg: str) -> None:
