@@ -1,0 +1,335 @@
+"""Loaders for real LLM-serving traces: the Azure LLM inference CSV and the Mooncake JSONL.
+
+Both turn each line into a :class:`~pagedkv.sim.request.Request` whose prompt is a *recipe* of
+content segments (see ``request.py``), so a 12,000-request trace costs kilobytes until replayed.
+
+- **Azure** (``TIMESTAMP,ContextTokens,GeneratedTokens``, Splitwise, ISCA'24) says nothing about
+  content, so every prompt is one segment of content unique to that request: no prefix sharing.
+- **Mooncake** (FAST'25; ``timestamp`` in ms, ``input_length``, ``output_length``, ``hash_ids``)
+  gives one id per 512-token block of the prompt, chained (equal ids mean an equal prefix up to and
+  including that block). Block ``i`` becomes the segment ``(key(id), 512)``, the last one
+  ``input_length - 512 * (len - 1)`` tokens long. Because a segment's tokens are a function of its
+  key alone, equal ids give equal tokens, a short last block is a prefix of the full block with
+  the same id, and a prefix hit at any block size B happens exactly where the trace says.
+  Worked example: ``input_length`` 1100, ``hash_ids`` [0, 7, 9] -> segments
+  ((k0, 512), (k7, 512), (k9, 76)).
+
+Arrival times are seconds from the earliest loaded request (so a slice taken with ``start``
+replays from t = 0); requests come back in arrival order.
+
+Content keys (:func:`content_key`) are namespaced so that no two sources collide: the top 8 bits
+name the kind (Mooncake block, system prompt, unique per-request content), the next 24 a hash of
+the namespace (a trace's file stem, a workload's name and seed), the low 32 bits the index.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import Iterator
+
+from .request import Request
+
+__all__ = [
+    "content_key",
+    "load_azure_csv",
+    "load_mooncake_jsonl",
+    "mooncake_segments",
+    "mooncake_hash_ids",
+    "load_trace",
+    "detect_format",
+    "default_data_dir",
+    "trace_path",
+    "TRACE_FILES",
+    "MOONCAKE_BLOCK",
+    "TraceFormatError",
+]
+
+MOONCAKE_BLOCK = 512  # tokens per hash_id in the Mooncake traces
+
+# The public traces this project replays (see ../shared/data/README.md), by short name.
+TRACE_FILES = {
+    "azure-conv": "azure_llm_2023_conv.csv",
+    "azure-code": "azure_llm_2023_code.csv",
+    "mooncake": "mooncake_conversation_trace.jsonl",
+}
+
+_KINDS = {"mooncake": 1, "system": 2, "unique": 3}
+_AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
+
+class TraceFormatError(ValueError):
+    """A trace file is malformed; the message names the file and line."""
+
+
+def content_key(kind: str, namespace: str, index: int) -> int:
+    """A segment key that cannot collide with another kind's or another index's key.
+
+    ``kind`` is one of ``"mooncake"``, ``"system"``, ``"unique"``; ``namespace`` separates sources
+    of one kind (two namespaces of a kind share keys only if their 24-bit hashes collide, 1 in
+    16.7M); ``index`` is in [0, 2**32). Example: ``content_key("mooncake", "conv", 7)`` is
+    ``(1 << 56) | (h24("conv") << 32) | 7``.
+    """
+    if kind not in _KINDS:
+        raise ValueError(f"unknown content kind {kind!r}; expected one of {sorted(_KINDS)}")
+    if not isinstance(namespace, str):
+        raise ValueError(f"namespace must be a string, got {namespace!r}")
+    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < 1 << 32:
+        raise ValueError(f"content index must be an int in [0, 2**32), got {index!r}")
+    ns = int.from_bytes(hashlib.blake2b(namespace.encode(), digest_size=3).digest(), "big")
+    return (_KINDS[kind] << 56) | (ns << 32) | index
+
+
+# ---- data directory -------------------------------------------------------------------------------
+
+
+def default_data_dir() -> Path | None:
+    """Where the public traces live: ``$PAGEDKV_DATA`` if set, else ``../shared/data`` next to the
+    repository (found from this file, then from the working directory); ``None`` when absent.
+
+    Setting ``PAGEDKV_DATA`` to a missing directory returns ``None`` (how tests simulate no data).
+    """
+    env = os.environ.get("PAGEDKV_DATA")
+    if env is not None:
+        p = Path(env).expanduser()
+        return p if p.is_dir() else None
+    repo = Path(__file__).resolve().parents[3]
+    for cand in (repo.parent / "shared" / "data", Path.cwd().parent / "shared" / "data",
+                 Path.cwd() / "shared" / "data"):
+        if cand.is_dir():
+            return cand
+    return None
+
+
+def trace_path(name: str, data_dir: Path | str | None = None) -> Path | None:
+    """The file of a public trace by short name (``"mooncake"``, ``"azure-conv"``, ``"azure-code"``),
+    or ``None`` when the data directory or the file is absent."""
+    if name not in TRACE_FILES:
+        raise ValueError(f"unknown trace {name!r}; known: {', '.join(TRACE_FILES)}")
+    d = Path(data_dir) if data_dir is not None else default_data_dir()
+    if d is None:
+        return None
+    p = d / TRACE_FILES[name]
+    return p if p.is_file() else None
+
+
+# ---- shared helpers -------------------------------------------------------------------------------
+
+
+def _check_slice(start: int, limit: int | None) -> None:
+    if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+        raise ValueError(f"start must be an int >= 0, got {start!r}")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
+        raise ValueError(f"limit must be None or an int >= 0, got {limit!r}")
+
+
+def _open(path: str | Path) -> Path:
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"trace file {p} does not exist")
+    return p
+
+
+def _records(p: Path, start: int, limit: int | None, skip_header: bool) -> Iterator[tuple[int, int, str]]:
+    """Yield ``(record index, 1-based line number, line)`` of the records in the slice."""
+    if limit == 0:
+        return
+    with p.open(encoding="utf-8") as f:
+        idx = 0
+        for lineno, line in enumerate(f, 1):
+            if (skip_header and lineno == 1) or not line.strip():
+                continue
+            if idx >= start:
+                yield idx, lineno, line
+                if limit is not None and idx + 1 - start >= limit:
+                    return
+            idx += 1
+
+
+def _int_field(value: object, name: str, lo: int, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise TraceFormatError(f"{where}: {name} must be an integer, got {value!r}")
+    if value < lo:
+        raise TraceFormatError(f"{where}: {name} must be >= {lo}, got {value}")
+    return value
+
+
+def _finish(items: list[tuple[int | float, str, tuple, int]], per_second: int) -> list[Request]:
+    """Shift times to start at 0 (exactly, on the file's own units), sort by arrival (stable),
+    convert to seconds, build the requests."""
+    if not items:
+        return []
+    t0 = min(t for t, *_ in items)
+    items.sort(key=lambda it: it[0])
+    return [Request(rid, (t - t0) / per_second, segs, out) for t, rid, segs, out in items]
+
+
+# ---- Azure ----------------------------------------------------------------------------------------
+
+
+def _parse_time(text: str, where: str) -> int:
+    """``2023-11-16 18:15:46.6805900`` -> integer nanoseconds since 1970 (naive, read as UTC).
+
+    Integers keep the 100 ns digits that a float of POSIX seconds (~1.7e9) would round away."""
+    text = text.strip()
+    whole, _, frac = text.partition(".")
+    try:
+        dt = datetime.fromisoformat(whole)
+        if frac and not frac.isdigit():
+            raise ValueError
+    except ValueError:
+        raise TraceFormatError(f"{where}: bad TIMESTAMP {text!r} (expected YYYY-MM-DD HH:MM:SS[.fff])") from None
+    seconds = (dt.toordinal() - 719163) * 86400 + dt.hour * 3600 + dt.minute * 60 + dt.second
+    return seconds * 10**9 + (int(frac.ljust(9, "0")[:9]) if frac else 0)
+
+
+def load_azure_csv(path: str | Path, *, limit: int | None = None, start: int = 0) -> list[Request]:
+    """Requests of an Azure LLM inference trace CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``).
+
+    ``start`` skips that many data rows, ``limit`` caps how many are read. Each prompt is one
+    segment of unique content (the trace has no content). Example: the row
+    ``2023-11-16 18:15:50.9951690,396,109`` four seconds after the first becomes
+    ``Request(arrival=4.31..., prompt_len=396, output_len=109)``.
+    """
+    _check_slice(start, limit)
+    p = _open(path)
+    with p.open(encoding="utf-8") as f:
+        header = [c.strip() for c in f.readline().strip().lstrip("\ufeff").split(",")]
+    if sorted(header) != sorted(_AZURE_COLUMNS):
+        raise TraceFormatError(f"{p}:1: expected the header {','.join(_AZURE_COLUMNS)}, got {','.join(header)}")
+    col = {name: header.index(name) for name in _AZURE_COLUMNS}
+    ns = p.stem
+    items = []
+    for idx, lineno, line in _records(p, start, limit, skip_header=True):
+        where = f"{p}:{lineno}"
+        cells = line.rstrip("\r\n").split(",")
+        if len(cells) != 3:
+            raise TraceFormatError(f"{where}: expected 3 comma-separated fields, got {len(cells)}")
+        t = _parse_time(cells[col["TIMESTAMP"]], where)
+        prompt = _int_field(_to_int(cells[col["ContextTokens"]], "ContextTokens", where), "ContextTokens", 1, where)
+        out = _int_field(_to_int(cells[col["GeneratedTokens"]], "GeneratedTokens", where), "GeneratedTokens", 0, where)
+        segs = ((content_key("unique", ns, idx), prompt),)
+        items.append((t, f"{ns}:{idx}", segs, out))
+    return _finish(items, 10**9)
+
+
+def _to_int(text: str, name: str, where: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise TraceFormatError(f"{where}: {name} must be an integer, got {text.strip()!r}") from None
+
+
+# ---- Mooncake -------------------------------------------------------------------------------------
+
+
+def mooncake_segments(input_length: int, hash_ids: list[int], namespace: str, index: int,
+                      block: int = MOONCAKE_BLOCK) -> tuple[tuple[int, int], ...]:
+    """Segments of one Mooncake prompt: one per hash id (``block`` tokens, the last shorter).
+
+    When the trace gives fewer ids than ``ceil(input_length / block)``, the tokens past the last
+    id are a segment of content unique to this request (``index``), so they never hit.
+    Example: 1100 tokens, ids [0, 7, 9] -> ((k0, 512), (k7, 512), (k9, 76)).
+    """
+    covered = min(input_length, block * len(hash_ids))
+    segs = []
+    for i, hid in enumerate(hash_ids):
+        segs.append((content_key("mooncake", namespace, hid), min(block, covered - i * block)))
+    if covered < input_length:
+        segs.append((content_key("unique", namespace, index), input_length - covered))
+    return tuple(segs)
+
+
+def _mooncake_record(line: str, where: str, block: int) -> tuple[int | float, int, int, list[int]]:
+    """Validate one JSON line: ``(timestamp in ms, input_length, output_length, hash_ids)``."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise TraceFormatError(f"{where}: not valid JSON ({e.msg})") from None
+    if not isinstance(rec, dict):
+        raise TraceFormatError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in rec]
+    if missing:
+        raise TraceFormatError(f"{where}: missing field(s) {', '.join(missing)}")
+    ts = rec["timestamp"]
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
+        raise TraceFormatError(f"{where}: timestamp must be a number of ms >= 0, got {ts!r}")
+    n_in = _int_field(rec["input_length"], "input_length", 1, where)
+    n_out = _int_field(rec["output_length"], "output_length", 0, where)
+    ids = rec["hash_ids"]
+    if not isinstance(ids, list):
+        raise TraceFormatError(f"{where}: hash_ids must be a list, got {type(ids).__name__}")
+    ids = [_int_field(h, "hash_ids[]", 0, where) for h in ids]
+    if any(h >= 1 << 32 for h in ids):
+        raise TraceFormatError(f"{where}: hash_ids must be < 2**32")
+    if len(ids) > -(-n_in // block):
+        raise TraceFormatError(f"{where}: {len(ids)} hash_ids for {n_in} tokens; at most "
+                               f"ceil({n_in}/{block}) = {-(-n_in // block)}")
+    return ts, n_in, n_out, ids
+
+
+def load_mooncake_jsonl(path: str | Path, *, limit: int | None = None, start: int = 0,
+                        namespace: str | None = None, block: int = MOONCAKE_BLOCK) -> list[Request]:
+    """Requests of a Mooncake trace (one JSON object a line), hash ids expanded into segments.
+
+    ``namespace`` (default: the file's stem) keeps this trace's ids apart from another trace's
+    id 0. ``start``/``limit`` select records (blank lines are not records). Example first line of
+    the conversation trace: 6758 tokens, 14 ids -> 13 segments of 512 and one of 102.
+    """
+    _check_slice(start, limit)
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+        raise ValueError(f"block must be a positive int, got {block!r}")
+    p = _open(path)
+    ns = namespace if namespace is not None else p.stem
+    items = []
+    for idx, lineno, line in _records(p, start, limit, skip_header=False):
+        t, n_in, n_out, ids = _mooncake_record(line, f"{p}:{lineno}", block)
+        segs = mooncake_segments(n_in, ids, ns, idx, block)
+        items.append((t, f"{ns}:{idx}", segs, n_out))
+    return _finish(items, 1000)
+
+
+def mooncake_hash_ids(path: str | Path, *, limit: int | None = None, start: int = 0) -> list[tuple[int, list[int]]]:
+    """``(input_length, hash_ids)`` per record, validated: the raw structure for independent checks."""
+    _check_slice(start, limit)
+    p = _open(path)
+    out = []
+    for _, lineno, line in _records(p, start, limit, skip_header=False):
+        _, n_in, _, ids = _mooncake_record(line, f"{p}:{lineno}", MOONCAKE_BLOCK)
+        out.append((n_in, ids))
+    return out
+
+
+# ---- format detection -----------------------------------------------------------------------------
+
+
+def detect_format(path: str | Path) -> str:
+    """``"azure"`` or ``"mooncake"``, from the extension (.csv, .jsonl/.json) or else the content."""
+    p = _open(path)
+    ext = p.suffix.lower()
+    if ext == ".csv":
+        return "azure"
+    if ext in (".jsonl", ".json"):
+        return "mooncake"
+    with p.open(encoding="utf-8") as f:
+        first = next((line for line in f if line.strip()), "")
+    if first.lstrip().startswith("{"):
+        return "mooncake"
+    if "ContextTokens" in first:
+        return "azure"
+    raise TraceFormatError(f"{p}: cannot tell the trace format (expected an Azure CSV header "
+                           f"{','.join(_AZURE_COLUMNS)} or Mooncake JSON lines)")
+
+
+def load_trace(path: str | Path, *, limit: int | None = None, start: int = 0) -> list[Request]:
+    """Load an Azure CSV or a Mooncake JSONL trace, whichever ``path`` is."""
+    fmt = detect_format(path)
+    if fmt == "azure":
+        return load_azure_csv(path, limit=limit, start=start)
+    return load_mooncake_jsonl(path, limit=limit, start=start)

@@ -1,0 +1,297 @@
+"""Trace loaders: the real Azure and Mooncake files (skipped when absent) and tiny synthetic ones.
+
+Facts checked against ../shared/data/README.md ("facts measured on these files"); tolerances are
+stated per test.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pagedkv import KVCacheManager
+from pagedkv.sim.request import segment_tokens
+from pagedkv.sim.traces import (
+    TraceFormatError,
+    content_key,
+    default_data_dir,
+    detect_format,
+    load_azure_csv,
+    load_mooncake_jsonl,
+    load_trace,
+    mooncake_hash_ids,
+    trace_path,
+)
+
+DATA = default_data_dir()
+needs_data = pytest.mark.skipif(DATA is None, reason="public traces (../shared/data) absent")
+
+
+def tokens(req) -> np.ndarray:
+    return np.concatenate([segment_tokens(k, n) for k, n in req.segments])
+
+
+# ---- real files -----------------------------------------------------------------------------------
+
+
+@needs_data
+@pytest.mark.parametrize("name,count,median_prompt,median_output", [
+    ("azure-conv", 19_366, 1020, 129),
+    ("azure-code", 8_819, 1469, 13),
+])
+def test_azure_real(name, count, median_prompt, median_output):
+    reqs = load_azure_csv(trace_path(name))
+    assert len(reqs) == count
+    p = np.array([r.prompt_len for r in reqs])
+    o = np.array([r.output_len for r in reqs])
+    # README medians; tolerance: exact to within 1 token (they are medians of the same file).
+    assert abs(np.median(p) - median_prompt) <= 1 and abs(np.median(o) - median_output) <= 1
+    t = np.array([r.arrival for r in reqs])
+    assert t[0] == 0 and np.all(np.diff(t) >= 0)
+    assert 3000 < t[-1] < 3700  # "over ~1 hour"
+    assert len({r.segments[0][0] for r in reqs}) == count  # no sharing: one unique key each
+
+
+@needs_data
+def test_azure_timestamps_keep_sub_microsecond_digits():
+    # Rows 1 and 2 of the conv trace: 18:15:50.9951690 and 18:15:51.2224670 -> 0.227298 s apart.
+    a, b = load_azure_csv(trace_path("azure-conv"), start=1, limit=2)
+    assert a.arrival == 0 and b.arrival == pytest.approx(0.227298, abs=1e-9)
+
+
+@needs_data
+def test_mooncake_real_facts():
+    reqs = load_mooncake_jsonl(trace_path("mooncake"))
+    assert len(reqs) == 12_031
+    p = np.array([r.prompt_len for r in reqs])
+    o = np.array([r.output_len for r in reqs])
+    # README: mean prompt 12,035, mean output 343 (tolerance: the README's rounding, 0.5 token).
+    assert abs(p.mean() - 12_035) < 0.5 and abs(o.mean() - 343) < 0.5
+    t = np.array([r.arrival for r in reqs])
+    assert t[0] == 0 and np.all(np.diff(t) >= 0) and 3000 < t[-1] < 3700
+
+
+@needs_data
+def test_mooncake_real_hit_structure():
+    """Equal hash_id prefixes => equal token prefixes; the first differing block differs.
+
+    Pairs from the first 1,000 requests: each request with the latest earlier request holding its
+    longest already-seen id prefix; the 40 deepest such pairs and 20 that share one block.
+    """
+    path = trace_path("mooncake")
+    reqs = load_mooncake_jsonl(path, limit=1000)
+    recs = [ids for _, ids in mooncake_hash_ids(path, limit=1000)]
+    holder: dict[int, int] = {}  # id -> the latest request that contained it
+    pairs = []
+    for j, ids in enumerate(recs):
+        k = next((x for x, h in enumerate(ids) if h not in holder), len(ids))
+        if k:
+            pairs.append((k, holder[ids[k - 1]], j))
+        holder.update((h, j) for h in ids)
+    deep = sorted((p for p in pairs if p[0] >= 2), reverse=True)[:40]
+    shallow = [p for p in pairs if p[0] == 1][:20]
+    assert len(deep) == 40 and len(shallow) == 20 and deep[0][0] >= 10
+    cache: dict[int, np.ndarray] = {}
+    for k, i, j in deep + shallow:
+        ti = cache.setdefault(i, tokens(reqs[i]))
+        tj = cache.setdefault(j, tokens(reqs[j]))
+        shared = min(512 * k, len(ti), len(tj))
+        assert np.array_equal(ti[:shared], tj[:shared])
+        if k < min(len(recs[i]), len(recs[j])):
+            assert not np.array_equal(ti[512 * k : 512 * k + 64], tj[512 * k : 512 * k + 64])
+
+
+@needs_data
+def test_mooncake_real_start_limit_and_detection():
+    path = trace_path("mooncake")
+    assert detect_format(path) == "mooncake" and detect_format(trace_path("azure-conv")) == "azure"
+    tail = load_trace(path, start=12_029)
+    assert len(tail) == 2 and tail[0].arrival == 0
+    assert [r.req_id for r in load_trace(path, start=5, limit=3)] == [
+        f"{path.stem}:{i}" for i in (5, 6, 7)]
+
+
+# ---- synthetic files ------------------------------------------------------------------------------
+
+AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens
+2023-11-16 18:15:46.6805900,374,44
+2023-11-16 18:15:50.9951690,396,109
+2023-11-16 18:15:51.2224670,879,55
+"""
+
+
+def write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_azure_synthetic(tmp_path):
+    p = write(tmp_path, "t.csv", AZURE)
+    reqs = load_azure_csv(p)
+    assert [(r.prompt_len, r.output_len) for r in reqs] == [(374, 44), (396, 109), (879, 55)]
+    assert reqs[0].arrival == 0 and reqs[1].arrival == pytest.approx(4.314579, abs=1e-9)
+    assert reqs[2].arrival == pytest.approx(4.541877, abs=1e-9)
+    mid = load_azure_csv(p, start=1, limit=1)
+    assert len(mid) == 1 and mid[0].prompt_len == 396 and mid[0].arrival == 0
+    assert load_azure_csv(p, limit=0) == []
+    assert load_trace(p) == reqs
+
+
+@pytest.mark.parametrize("text,match", [
+    ("when,ContextTokens,GeneratedTokens\n", ":1: expected the header"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,12\n", ":2: expected 3"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,1,1\nyesterday,3,4\n", ":3: bad TIMESTAMP"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,x,1\n", ":2: ContextTokens must be an integer"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,0,1\n", ":2: ContextTokens must be >= 1"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,5,-1\n", ":2: GeneratedTokens must be >= 0"),
+])
+def test_azure_errors_name_file_and_line(tmp_path, text, match):
+    p = write(tmp_path, "bad.csv", text)
+    with pytest.raises(TraceFormatError, match=match) as e:
+        load_azure_csv(p)
+    assert "bad.csv" in str(e.value)
+
+
+MOONCAKE = [
+    {"timestamp": 1000, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 2]},
+    {"timestamp": 1500, "input_length": 1500, "output_length": 7, "hash_ids": [0, 1, 3]},
+    {"timestamp": 2000, "input_length": 600, "output_length": 0, "hash_ids": [0, 4]},
+    {"timestamp": 2000, "input_length": 10, "output_length": 1, "hash_ids": [5]},
+]
+
+
+def mooncake_file(tmp_path, records=MOONCAKE, name="mc.jsonl"):
+    return write(tmp_path, name, "\n".join(json.dumps(r) for r in records) + "\n")
+
+
+def test_mooncake_synthetic_segments_and_times(tmp_path):
+    reqs = load_mooncake_jsonl(mooncake_file(tmp_path))
+    assert [r.arrival for r in reqs] == [0.0, 0.5, 1.0, 1.0]
+    assert [[n for _, n in r.segments] for r in reqs] == [[512, 512, 76], [512, 512, 476], [512, 88], [10]]
+    assert [r.prompt_len for r in reqs] == [1100, 1500, 600, 10]
+    assert reqs[0].segments[:2] == reqs[1].segments[:2]  # ids 0, 1 -> equal keys
+    t = [tokens(r) for r in reqs]
+    assert np.array_equal(t[0][:1024], t[1][:1024]) and not np.array_equal(t[0][1024:1076], t[1][1024:1076])
+    assert np.array_equal(t[0][:512], t[2][:512]) and t[0][512] != t[2][512]
+
+
+def test_mooncake_hits_in_the_manager(tmp_path):
+    """Replayed through the real manager, hits land exactly where the hash ids say."""
+    reqs = load_mooncake_jsonl(mooncake_file(tmp_path))
+    m = KVCacheManager(num_blocks=1024, block_size=16)
+    hits = [m.add_sequence(i, r.prompt_tokens()) for i, r in enumerate(reqs)]
+    assert hits == [0, 1024, 512, 0]
+
+
+def test_mooncake_fewer_ids_get_a_unique_suffix(tmp_path):
+    recs = [{"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [0]},
+            {"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [0]}]
+    a, b = load_mooncake_jsonl(mooncake_file(tmp_path, recs))
+    assert [n for _, n in a.segments] == [512, 488]
+    assert a.segments[0] == b.segments[0] and a.segments[1][0] != b.segments[1][0]
+
+
+def test_mooncake_namespaces_and_key_kinds(tmp_path):
+    a = load_mooncake_jsonl(mooncake_file(tmp_path, name="one.jsonl"))
+    b = load_mooncake_jsonl(mooncake_file(tmp_path, name="two.jsonl"))
+    assert a[0].segments[0][0] != b[0].segments[0][0]  # id 0 of another trace is other content
+    c = load_mooncake_jsonl(mooncake_file(tmp_path, name="two.jsonl"), namespace="one")
+    assert a[0].segments == c[0].segments
+    kinds = {content_key(k, "x", 0) >> 56 for k in ("mooncake", "system", "unique")}
+    assert len(kinds) == 3
+    with pytest.raises(ValueError):
+        content_key("mooncake", "x", 1 << 32)
+    with pytest.raises(ValueError):
+        content_key("other", "x", 0)
+
+
+@pytest.mark.parametrize("line,match", [
+    ("{not json", ":2: not valid JSON"),
+    ('[1, 2]', ":2: expected a JSON object"),
+    ('{"timestamp": 0, "input_length": 5, "output_length": 1}', ":2: missing field"),
+    ('{"timestamp": -1, "input_length": 5, "output_length": 1, "hash_ids": [0]}', ":2: timestamp"),
+    ('{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}', ":2: input_length must be >= 1"),
+    ('{"timestamp": 0, "input_length": 5, "output_length": 1.5, "hash_ids": [0]}', ":2: output_length"),
+    ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0, 1]}', ":2: 2 hash_ids for 5"),
+    ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": 7}', ":2: hash_ids must be a list"),
+    ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [-3]}', ":2: hash_ids"),
+])
+def test_mooncake_errors_name_file_and_line(tmp_path, line, match):
+    p = write(tmp_path, "bad.jsonl", json.dumps(MOONCAKE[0]) + "\n" + line + "\n")
+    with pytest.raises(TraceFormatError, match=match):
+        load_mooncake_jsonl(p)
+
+
+def test_detection_and_argument_errors(tmp_path):
+    p = write(tmp_path, "trace.txt", json.dumps(MOONCAKE[0]) + "\n")
+    assert detect_format(p) == "mooncake"
+    q = write(tmp_path, "trace.dat", AZURE)
+    assert detect_format(q) == "azure"
+    r = write(tmp_path, "trace.bin", "hello\n")
+    with pytest.raises(TraceFormatError, match="cannot tell"):
+        detect_format(r)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_trace(tmp_path / "none.csv")
+    with pytest.raises(ValueError, match="start"):
+        load_trace(p, start=-1)
+    with pytest.raises(ValueError, match="limit"):
+        load_trace(p, limit=1.5)
+
+
+def test_default_data_dir_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGEDKV_DATA", str(tmp_path))
+    assert default_data_dir() == tmp_path
+    assert trace_path("mooncake") is None  # the directory exists, the file does not
+    monkeypatch.setenv("PAGEDKV_DATA", str(tmp_path / "missing"))
+    assert default_data_dir() is None and trace_path("azure-conv") is None
+    with pytest.raises(ValueError, match="unknown trace"):
+        trace_path("sharegpt")
+
+
+# ---- the hit structure, as a property ---------------------------------------------------------------
+
+
+@st.composite
+def conversation_trees(draw):
+    """Requests whose hash ids are root paths in a random prefix tree (as chained ids are).
+
+    Every id has one block length: 512 if it may be extended, else 1..512 (a last, partial block).
+    """
+    nodes: list[tuple[list[int], int]] = []  # (path from the root, length of the node's block)
+    records = []
+    for _ in range(draw(st.integers(2, 7))):
+        if nodes and draw(st.booleans()):
+            path, last = draw(st.sampled_from(nodes))  # a repeat of an existing prefix
+        else:
+            full = [n for n in nodes if n[1] == 512]
+            base = draw(st.sampled_from(full))[0] if full and draw(st.booleans()) else []
+            path = list(base)
+            for _ in range(draw(st.integers(1, 3))):
+                path = path + [len(nodes)]
+                last = 512 if draw(st.booleans()) else draw(st.integers(1, 512))
+                nodes.append((path, last))
+                if last < 512:
+                    break
+        records.append({"timestamp": 0, "input_length": 512 * (len(path) - 1) + last,
+                        "output_length": 1, "hash_ids": path})
+    return records
+
+
+@given(records=conversation_trees(), block_size=st.sampled_from([2, 7, 16, 64, 512]))
+def test_manager_hits_equal_the_hash_id_prediction(tmp_path_factory, records, block_size):
+    """Prefix hits at any block size B are exactly the hash ids' common prefixes:
+    floor(min(tokens of the leading ids already seen, L - 1) / B) * B."""
+    path = mooncake_file(tmp_path_factory.mktemp("mc"), records)
+    reqs = load_mooncake_jsonl(path)
+    m = KVCacheManager(num_blocks=4096, block_size=block_size, hash_algo="builtin")
+    seen: set[int] = set()
+    for i, (r, rec) in enumerate(zip(reqs, records)):
+        ids, n_in = rec["hash_ids"], rec["input_length"]
+        k = next((x for x, h in enumerate(ids) if h not in seen), len(ids))
+        want = min(512 * k, n_in - 1) // block_size * block_size
+        assert m.add_sequence(i, r.prompt_tokens()) == want
+        seen.update(ids)
