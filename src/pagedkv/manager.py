@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import operator
 import sys
+from operator import itemgetter
 from array import array
 from collections import Counter
 from itertools import chain
@@ -48,13 +49,29 @@ class _Seq:
     a just-filled block's bytes for hashing are one slice away.
     """
 
-    __slots__ = ("table", "tokens", "hashes", "root")
+    __slots__ = ("table", "tokens", "hashes", "root", "mirror")
 
-    def __init__(self, table: list, tokens: list, hashes: list, root: Hashable) -> None:
+    def __init__(self, table: list, tokens: array, hashes: list, root: Hashable, mirror=None) -> None:
         self.table = table
         self.tokens = tokens
         self.hashes = hashes
         self.root = root
+        if mirror is None:
+            mirror = np.empty(max(8, 2 * len(table)), dtype=np.int32)
+            mirror[: len(table)] = table
+        self.mirror = mirror  # the table as int32 with spare capacity: exports slice it
+
+    def add_block(self, b: int) -> None:
+        """Append a block to the table and its int32 mirror (grown by doubling)."""
+        n = len(self.table)
+        self.table.append(b)
+        if n == len(self.mirror):
+            self.mirror = np.concatenate([self.mirror, np.empty(n, dtype=np.int32)])
+        self.mirror[n] = b
+
+    def set_last(self, b: int) -> None:
+        self.table[-1] = b
+        self.mirror[len(self.table) - 1] = b
 
 
 class KVCacheManager:
@@ -181,7 +198,11 @@ class KVCacheManager:
             self._hasher.root(cache_salt)  # validates the salt's type all the same
         need = -(-n // bs) - len(hits)
         rc = self._rc
-        available = self._pool.num_free - sum(1 for b in hits if not rc[b])
+        revivals = 0
+        for b in hits:
+            if not rc[b]:
+                revivals += 1
+        available = self._pool.num_free - revivals
         if need > available:
             raise OutOfBlocks(need, available, f"admitting {seq_id!r}")
         for b in hits:
@@ -219,7 +240,7 @@ class KVCacheManager:
                 b = self._copy_on_write(s, b)
         else:
             b = self._pool._take_one()
-            s.table.append(b)
+            s.add_block(b)
         tokens.append(token_id)
         if off == bs - 1 and self._cache is not None:
             self._publish_last(s)
@@ -250,9 +271,13 @@ class KVCacheManager:
         toks = _token_array(token_ids)  # validates every id in one C loop
         if len(toks) != len(seq_ids):
             raise ValueError(f"{len(seq_ids)} sequence ids but {len(toks)} tokens")
-        seqs = self._seqs
-        ss = [seqs[i] for i in seq_ids]
-        if len(set(seq_ids)) != len(ss):
+        n = len(toks)
+        if n < 2:
+            if not n:
+                return np.empty(0, dtype=np.int64)
+            return np.array([self.append_token(seq_ids[0], toks[0])], dtype=np.int64)
+        ss = itemgetter(*seq_ids)(self._seqs)
+        if len(set(seq_ids)) != n:
             raise ValueError("a sequence id appears twice in one append_batch")
         bs, rc, pool = self._bs, self._rc, self._pool
         if pool.num_free < len(ss):  # only then can the batch fail: count exactly
@@ -272,12 +297,12 @@ class KVCacheManager:
                     b = self._copy_on_write(s, b)
             else:
                 b = pool._take_one()
-                s.table.append(b)
+                s.add_block(b)
             tokens.append(t)
             push(b * bs + off)
             if off == last and publish:
                 self._publish_last(s)
-        return np.array(out, dtype=np.int64)
+        return np.fromiter(out, dtype=np.int64, count=n)
 
     def _blocks_for_step(self, ss: list[_Seq]) -> int:
         """Blocks one decode step of ``ss`` takes: one per full last block, plus the copies.
@@ -306,7 +331,7 @@ class KVCacheManager:
                 b = self._copy_on_write(s, b)
         else:
             b = self._pool._take_one()
-            s.table.append(b)
+            s.add_block(b)
         tokens.append(token_id)
         if off == bs - 1 and self._cache is not None:
             self._publish_last(s)
@@ -316,7 +341,7 @@ class KVCacheManager:
         """Give ``s`` a private copy of its shared partial last block; returns the new block."""
         new = self._pool._take_one()  # raises OutOfBlocks before anything changed
         self._rc[old] -= 1  # still >= 1: another table holds it
-        s.table[-1] = new
+        s.set_last(new)
         self._copies.append(CopyOp(old, new))
         self._cow_copies += 1
         return new
@@ -328,7 +353,13 @@ class KVCacheManager:
         parent = s.hashes[-1] if s.hashes else s.root
         h = self._digest(parent, _le_bytes(block_tokens))
         s.hashes.append(h)
-        self._cache.publish_one(s.table[-1], h, parent, block_tokens, bs)
+        cache = self._cache
+        if h not in cache._map:  # publish_one, inlined: this runs once per filled block
+            b = s.table[-1]
+            cache._map[h] = b
+            self._pool._keys[b] = h
+            if cache.events_enabled:
+                cache.stored_raw((h,), parent, block_tokens, bs)
 
     def take_copies(self) -> list[CopyOp]:
         """Drain the copies queued by copy-on-write; run them before writing this step's KV."""
@@ -345,7 +376,7 @@ class KVCacheManager:
         rc = self._rc
         for b in p.table:
             rc[b] += 1
-        self._seqs[child_id] = _Seq(p.table.copy(), p.tokens[:], p.hashes.copy(), p.root)
+        self._seqs[child_id] = _Seq(p.table.copy(), p.tokens[:], p.hashes.copy(), p.root, p.mirror.copy())
         self._forks += 1
 
     def free(self, seq_id: Hashable) -> None:
@@ -370,14 +401,18 @@ class KVCacheManager:
     # ---- exports for kernels -----------------------------------------------------------------
 
     def block_tables(self, seq_ids: Sequence[Hashable], pad: int = -1) -> np.ndarray:
-        """Block tables as one padded ``np.int32[len(seq_ids), max_blocks]`` array (vLLM's form)."""
-        tables = [self._seqs[i].table for i in seq_ids]
-        lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-        width = int(lens.max()) if len(tables) else 0
-        out = np.full((len(tables), width), pad, dtype=np.int32)
-        if width:
-            mask = np.arange(width) < lens[:, None]
-            out[mask] = np.fromiter(chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
+        """Block tables as one padded ``np.int32[len(seq_ids), max_blocks]`` array (vLLM's form).
+
+        Rows are copied from each sequence's int32 mirror, so the cost is one slice copy per
+        sequence (about 0.5 µs), not one Python int per block.
+        """
+        ss = [self._seqs[i] for i in seq_ids]
+        pad = as_int(pad, "pad")
+        width = max((len(s.table) for s in ss), default=0)
+        out = np.full((len(ss), width), pad, dtype=np.int32)
+        for row, s in zip(out, ss):
+            k = len(s.table)
+            row[:k] = s.mirror[:k]
         return out
 
     def flashinfer_layout(self, seq_ids: Sequence[Hashable]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -390,7 +425,10 @@ class KVCacheManager:
         nblocks = np.fromiter((len(s.table) for s in ss), dtype=np.int32, count=len(ss))
         indptr = np.zeros(len(ss) + 1, dtype=np.int32)
         np.cumsum(nblocks, out=indptr[1:])
-        indices = np.fromiter(chain.from_iterable(s.table for s in ss), dtype=np.int32, count=int(indptr[-1]))
+        if ss:
+            indices = np.concatenate([s.mirror[: len(s.table)] for s in ss])
+        else:
+            indices = np.empty(0, dtype=np.int32)
         ntok = np.fromiter((len(s.tokens) for s in ss), dtype=np.int32, count=len(ss))
         last_page_len = (ntok - 1) % self._bs + 1
         return indptr, indices, last_page_len.astype(np.int32)
@@ -452,6 +490,7 @@ class KVCacheManager:
             n = len(s.tokens)
             _require(n >= 1, f"sequence {sid!r} is empty")
             _require(len(s.table) == -(-n // bs), f"sequence {sid!r}: {len(s.table)} blocks for {n} tokens")
+            _require(s.mirror[: len(s.table)].tolist() == s.table, f"sequence {sid!r}: int32 mirror differs")
             if n % bs:
                 b = s.table[-1]
                 _require(partial_fill.setdefault(b, n % bs) == n % bs, f"partial block {b} shared at two fills")
