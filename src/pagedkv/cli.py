@@ -24,12 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in COMMANDS.items():
-        try:
-            module = importlib.import_module(f"pagedkv.commands.{name}")
-        except ModuleNotFoundError as exc:  # TEMPORARY while commands land
-            if exc.name != f"pagedkv.commands.{name}":
-                raise
-            continue
+        module = importlib.import_module(f"pagedkv.commands.{name}")
         p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip())
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
