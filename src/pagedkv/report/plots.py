@@ -25,6 +25,11 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:60] or "table"
 
 
+def _numbers(table: Table, name: str) -> list[float]:
+    """A column as floats; a missing cell (None, e.g. no published figure) becomes NaN: a gap."""
+    return [float("nan") if v is None else float(v) for v in table.column(name)]
+
+
 def plot_table(table: Table, out_dir: Path, stem: str) -> Path | None:
     """Draw ``table`` as ``out_dir/<stem>-<title>.png``; returns the path, or None without a hint."""
     hint = table.plot
@@ -42,11 +47,11 @@ def plot_table(table: Table, out_dir: Path, stem: str) -> Path | None:
         width = 0.8 / len(ys)
         for i, name in enumerate(ys):
             pos = [j + i * width for j in range(len(x))]
-            ax.bar(pos, table.column(name), width=width, label=name)
+            ax.bar(pos, _numbers(table, name), width=width, label=name)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(x))], [str(v) for v in x], rotation=20)
     else:
         for name in ys:
-            ax.plot(x, table.column(name), marker="o", label=name)
+            ax.plot(x, _numbers(table, name), marker="o", label=name)
         if hint.get("logx"):
             ax.set_xscale("log", base=2)
     if hint.get("logy"):
