@@ -1,0 +1,144 @@
+"""``pagedkv simulate``: serve a workload with the paged cache or a reservation baseline.
+
+Examples::
+
+    pagedkv simulate sharegpt --allocator all --num-requests 500
+    pagedkv simulate ../shared/data/azure_llm_2023_conv.csv --num-requests 2000 --rate 4 --progress
+    pagedkv simulate alpaca --beam-width 4 --model OPT-13B --kv-gib 12
+
+The KV memory is what the model leaves on the GPU (``--gpu-mem-gib`` x ``--util`` - weights, as
+``pagedkv size`` computes it) or ``--kv-gib``; step times come from the bandwidth cost model
+(H100 defaults). The table gives each allocator's time-weighted memory breakdown while requests
+wait, its batch size and its throughput.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import replace
+
+from ..sim import sizing
+from ..sim.baselines import ALLOCATORS, make_allocator
+from ..sim.costmodel import H100_BF16_FLOPS, H100_HBM_BYTES_PER_S, CostModel
+from ..sim.metrics import compute
+from ..sim.scheduler import simulate
+from ..tables import Table
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Register ``simulate``'s options on ``p``."""
+    p.add_argument("workload", help="built-in workload (sharegpt, alpaca, azure-conv, azure-code) or a trace file")
+    p.add_argument("--allocator", default="all", choices=[*ALLOCATORS, "all"], help="default: all four")
+    p.add_argument("--num-requests", type=int, default=500, help="requests to serve (default 500)")
+    p.add_argument("--rate", type=float, default=None,
+                   help="Poisson arrivals per second; default: the trace's timestamps, or all at t=0 "
+                        "for a built-in workload; 0 puts every arrival at t=0")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-len", type=int, default=2048, help="context limit and Max's reservation (default 2048)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences cap (default 256)")
+    p.add_argument("--n", type=int, default=1, help="parallel samples per request")
+    p.add_argument("--beam-width", type=int, default=1, help="beam width per request")
+    p.add_argument("--model", default="Llama-3.1-8B", help="built-in model for KV and weight bytes")
+    p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="GPU memory (default 80, an H100)")
+    p.add_argument("--util", type=float, default=0.9, help="memory utilisation (default 0.9)")
+    p.add_argument("--kv-gib", type=float, default=None, help="KV budget in GiB instead of GPU memory")
+    p.add_argument("--bandwidth-tbs", type=float, default=H100_HBM_BYTES_PER_S / 1e12,
+                   help="HBM bandwidth in TB/s (default 3.35, H100 SXM)")
+    p.add_argument("--tflops", type=float, default=H100_BF16_FLOPS / 1e12, help="peak TFLOP/s for prefill")
+    p.add_argument("--overhead-ms", type=float, default=1.0, help="fixed overhead per iteration (ms)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="paged: turn prefix caching off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--progress", action="store_true", help="progress bar on stderr")
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("num_requests", "block_size", "max_num_seqs", "n", "beam_width"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_len < 2:
+        raise ValueError("--max-len must be >= 2")
+    if args.rate is not None and (not math.isfinite(args.rate) or args.rate < 0):
+        raise ValueError("--rate must be a finite number >= 0")
+    if args.n > 1 and args.beam_width > 1:
+        raise ValueError("use --n or --beam-width, not both")
+
+
+def _memory(args: argparse.Namespace) -> tuple[int, CostModel]:
+    """(num_blocks, cost model) for the chosen model and GPU."""
+    spec = sizing.get_model(args.model)
+    weights = sizing.estimate_weight_bytes(spec)
+    if weights is None:
+        raise ValueError(f"cannot estimate {args.model}'s weights; choose a dense model")
+    size = sizing.kv_size(spec, block_size=args.block_size)
+    if args.kv_gib is not None:
+        cap = sizing.fit_blocks(size, kv_budget_gib=args.kv_gib)
+    else:
+        cap = sizing.fit_blocks(size, gpu_mem_gib=args.gpu_mem_gib, util=args.util, weights_gib=weights / sizing.GIB)
+    cost = CostModel(kv_bytes_per_token=size.bytes_per_token, weight_bytes=weights,
+                     bandwidth=args.bandwidth_tbs * 1e12, peak_flops=args.tflops * 1e12,
+                     overhead_s=args.overhead_ms / 1e3, model=spec.name)
+    return cap.num_blocks, cost
+
+
+def _requests(args: argparse.Namespace) -> list:
+    from ..sim.workloads import load_workload
+
+    rate = args.rate if args.rate else None
+    reqs = load_workload(args.workload, args.num_requests, args.seed, max_len=args.max_len, rate=rate,
+                         n=args.n, beam_width=args.beam_width)
+    if args.rate == 0:
+        reqs = [replace(r, arrival=0.0) for r in reqs]
+    return reqs
+
+
+def _table(args: argparse.Namespace, num_blocks: int, cost: CostModel, reqs: list) -> Table:
+    t = Table(
+        f"{args.workload}: {len(reqs)} requests on {num_blocks * args.block_size:,} KV slots ({cost.model})",
+        ["allocator", "token states %", "reserved %", "internal frag %", "external frag %", "free %",
+         "avg batch", "requests/s", "tokens/s", "preemptions", "prefix hit %", "sharing saved %"],
+        plot={"x": "allocator", "y": ["token states %"], "kind": "bar", "ylabel": "% of KV memory"},
+    )
+    names = ALLOCATORS if args.allocator == "all" else (args.allocator,)
+    for name in names:
+        kw = {"enable_prefix_caching": not args.no_prefix_caching, "beam_seed": args.seed} if name == "paged" else {}
+        alloc = make_allocator(name, num_blocks, args.block_size, args.max_len, **kw)
+        res = simulate(reqs, alloc, cost, max_len=args.max_len, max_num_seqs=args.max_num_seqs,
+                       progress=args.progress)
+        m = compute(res)
+        sh = {k: round(100 * v, 1) for k, v in m.shares.items()}
+        t.add(alloc.name, sh["token_states"], sh["reserved"], sh["internal_fragmentation"],
+              sh["external_fragmentation"], sh["free"], round(m.avg_batch, 1), round(m.throughput_rps, 3),
+              round(m.tokens_per_s, 1), m.preemptions, round(100 * m.prefix_hit_rate, 1),
+              round(100 * m.sharing_saving, 1))
+        if res.dropped:
+            t.notes.append(f"{alloc.name}: {res.dropped} requests could never fit and were dropped")
+    t.notes.append(f"shares time-weighted over iterations with requests waiting (all busy ones if none); "
+                   f"cost model {cost.describe()}")
+    return t
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the table; 0 on success, 2 with a message on stderr for bad input."""
+    try:
+        _check(args)
+        num_blocks, cost = _memory(args)
+        reqs = _requests(args)
+        print(_table(args, num_blocks, cost, reqs).to_text())
+        return 0
+    except ValueError as e:
+        print(f"pagedkv simulate: error: {e}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run as ``python -m pagedkv.commands.simulate``."""
+    p = argparse.ArgumentParser(prog="pagedkv simulate", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

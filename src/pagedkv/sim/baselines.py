@@ -1,0 +1,485 @@
+"""The allocators a serving scheduler can drive: three reservation baselines and the paged cache.
+
+Why real allocators: the vLLM paper's Fig. 2 compares how much KV memory holds token states
+under Orca-style pre-allocation ("Max", "Pow2", "Oracle") and under paging. Here each baseline is
+an allocator over the *same* slots as the paged cache, placing each sequence's reservation
+contiguously through a :class:`~pagedkv.sim.buddy.BuddyAllocator`, so every category is counted
+from live state rather than assumed:
+
+==========================  =================================================================
+``token_states``            slots holding a running sequence's KV (paged: shared blocks once)
+``reserved``                reserved slots the sequence will fill before it finishes
+``internal_fragmentation``  allocated slots never to be used: reservation beyond the true final
+                            length, or (paged) the unused tail of each last block
+``external_fragmentation``  free slots that cannot serve the blocked head-of-queue request
+                            (in buddy blocks too small for its reservation)
+``free``                    every other free slot
+==========================  =================================================================
+
+The five always sum to the capacity exactly (tests check it). Worked example (Max, 2,048-slot
+reservations, 5,000 slots, so the buddy arena is 4,096 + 512 + 256 + 128 + 8): one sequence at 300
+of its final 500 tokens holds 300 token states, 200 reserved and 1,548 internal fragmentation. A
+second reservation takes the other half of the 4,096 block; a third must wait, and the 904 free
+slots, none in a block that can hold 2,048, are external fragmentation.
+
+Parallel sampling and beam search: a reservation baseline reserves every sequence separately
+(no sharing: each sample or beam holds its own copy of the prompt). The paged adapter forks
+through the real :class:`~pagedkv.KVCacheManager` and pays copy-on-write; for beam search it runs
+:class:`BeamModel` to decide which beams survive each step.
+"""
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ..manager import KVCacheManager
+from ..types import OutOfBlocks, Usage
+from .buddy import BuddyAllocator, order_for
+from .request import VOCAB_SIZE, Request
+
+__all__ = [
+    "CATEGORIES",
+    "Breakdown",
+    "KVAllocator",
+    "ReservationAllocator",
+    "PagedAllocator",
+    "BeamModel",
+    "ALLOCATORS",
+    "make_allocator",
+    "generated_tokens",
+]
+
+CATEGORIES = ("token_states", "reserved", "internal_fragmentation", "external_fragmentation", "free")
+ALLOCATORS = ("max", "pow2", "oracle", "paged")
+
+
+@dataclass(frozen=True, slots=True)
+class Breakdown:
+    """Every slot of the KV memory in exactly one category (see the module table)."""
+
+    token_states: int
+    reserved: int
+    internal_fragmentation: int
+    external_fragmentation: int
+    free: int
+
+    @property
+    def total(self) -> int:
+        return (self.token_states + self.reserved + self.internal_fragmentation
+                + self.external_fragmentation + self.free)
+
+    def as_tuple(self) -> tuple[int, int, int, int, int]:
+        return (self.token_states, self.reserved, self.internal_fragmentation,
+                self.external_fragmentation, self.free)
+
+    def shares(self) -> dict[str, float]:
+        """Each category's share of the memory (sums to 1 up to float rounding)."""
+        t = self.total
+        return {k: (v / t if t else 0.0) for k, v in zip(CATEGORIES, self.as_tuple())}
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def seq_key(seq_id: str) -> int:
+    """A stable 64-bit content key for a sequence's generated tokens (same id -> same tokens)."""
+    return int.from_bytes(hashlib.blake2b(seq_id.encode(), digest_size=8).digest(), "little")
+
+
+def generated_tokens(keys: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Token ids generated at ``positions`` by the sequences keyed ``keys`` (elementwise, int64).
+
+    A splitmix64 mix of ``(key, position)`` like :func:`~pagedkv.sim.request.segment_tokens`:
+    deterministic, so a sequence recomputed after preemption produces the same tokens and finds
+    its own blocks again in the prefix cache.
+    """
+    with np.errstate(over="ignore"):
+        x = np.asarray(positions, dtype=np.uint64) + np.asarray(keys, dtype=np.uint64) * _GOLDEN
+        x ^= x >> np.uint64(30)
+        x *= _MIX1
+        x ^= x >> np.uint64(27)
+        x *= _MIX2
+        x ^= x >> np.uint64(31)
+    return (x % np.uint64(VOCAB_SIZE)).astype(np.int64)
+
+
+class KVAllocator(ABC):
+    """What the scheduler drives. ``capacity`` is the KV memory in token slots.
+
+    ``admit(req, generated)`` places a request (its prompt plus ``generated`` tokens already
+    produced before a preemption) and returns False with nothing changed when memory does not
+    allow; ``step(req_ids)`` appends one token to every sequence of those requests (the paged
+    cache may raise ``OutOfBlocks``, atomically); ``release(req_id)`` frees a finished or
+    preempted request; ``breakdown(blocked)`` accounts every slot.
+    """
+
+    name: str = ""
+    capacity: int = 0
+    last_hit_tokens: int = 0  # prompt tokens served from a cache by the last admit
+
+    @abstractmethod
+    def admit(self, req: Request, generated: int = 0) -> bool: ...
+
+    @abstractmethod
+    def step(self, req_ids: Sequence[str]) -> int: ...
+
+    @abstractmethod
+    def release(self, req_id: str) -> None: ...
+
+    @abstractmethod
+    def num_seqs(self, req_id: str) -> int: ...
+
+    @abstractmethod
+    def breakdown(self, blocked: Request | None = None) -> Breakdown: ...
+
+    @property
+    @abstractmethod
+    def kv_tokens(self) -> int:
+        """Token states attention reads per step: the sum of running sequence lengths."""
+
+    def sharing(self) -> tuple[int, int]:
+        """(logical blocks, blocks saved by sharing) now; reservations share nothing."""
+        return 0, 0
+
+    def observe(self, blocked: Request | None = None) -> tuple[Breakdown, int, int]:
+        """``breakdown(blocked)`` and ``sharing()`` together (one usage snapshot when paged)."""
+        return (self.breakdown(blocked), *self.sharing())
+
+    def usage(self) -> Usage | None:
+        return None
+
+    def check(self) -> None:
+        """Raise AssertionError if internal state is inconsistent (used by tests)."""
+
+
+# ---- reservation baselines --------------------------------------------------------------------
+
+
+@dataclass
+class _Reservation:
+    offsets: list[int]
+    size: int  # slots reserved per sequence
+    final: int  # true final length
+    length: int  # current length
+
+
+class ReservationAllocator(KVAllocator):
+    """Orca-style pre-allocation: every sequence reserves one contiguous range at admission.
+
+    ``policy``: ``"max"`` reserves ``max_len`` (Orca Max), ``"pow2"`` the next power of two of the
+    true final length (capped at ``max_len``), ``"oracle"`` exactly the final length. Example with
+    ``max_len=2048`` and a 161 + 338 = 499-token request: 2,048 / 512 / 499 slots reserved; when it
+    finishes, Max has wasted 1,549 of them on internal fragmentation, Pow2 13, Oracle none.
+    """
+
+    def __init__(self, capacity: int, policy: str, max_len: int = 2048, exact: bool = True) -> None:
+        if policy not in ("max", "pow2", "oracle"):
+            raise ValueError(f"policy must be max, pow2 or oracle, got {policy!r}")
+        if not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+        self.buddy = BuddyAllocator(capacity, exact=exact)
+        self.capacity = capacity
+        self.policy = policy
+        self.max_len = max_len
+        self.name = policy.capitalize() if policy != "pow2" else "Pow2"
+        self._reqs: dict[str, _Reservation] = {}
+        self._tokens = self._reserved = self._internal = 0
+
+    def reserve_size(self, req: Request) -> int:
+        """Slots reserved for each of the request's sequences under this policy."""
+        final = req.total_len
+        if final > self.max_len:
+            raise ValueError(f"request {req.req_id}: final length {final} > max_len {self.max_len}")
+        if self.policy == "max":
+            return self.max_len
+        if self.policy == "pow2":
+            return min(1 << order_for(final), self.max_len)
+        return final
+
+    def admit(self, req: Request, generated: int = 0) -> bool:
+        if req.req_id in self._reqs:
+            raise ValueError(f"request {req.req_id} is already admitted")
+        if not 0 <= generated <= req.output_len:
+            raise ValueError(f"generated must be in [0, {req.output_len}], got {generated}")
+        size = self.reserve_size(req)
+        offsets = []
+        for _ in range(req.num_seqs):
+            off = self.buddy.alloc(size)
+            if off is None:
+                for o in offsets:
+                    self.buddy.free(o)
+                return False
+            offsets.append(off)
+        r = _Reservation(offsets, size, req.total_len, req.prompt_len + generated)
+        self._reqs[req.req_id] = r
+        self._add(r, +1)
+        self.last_hit_tokens = 0
+        return True
+
+    def _add(self, r: _Reservation, sign: int) -> None:
+        n = len(r.offsets)
+        self._tokens += sign * n * r.length
+        self._reserved += sign * n * (r.final - r.length)
+        self._internal += sign * n * (r.size - r.final)
+
+    def step(self, req_ids: Sequence[str]) -> int:
+        reqs = [self._reqs[i] for i in req_ids]
+        if any(r.length >= r.final for r in reqs):
+            raise ValueError("a request in the step has already reached its final length")
+        n = 0
+        for r in reqs:
+            r.length += 1
+            n += len(r.offsets)
+        self._tokens += n
+        self._reserved -= n
+        return n
+
+    def release(self, req_id: str) -> None:
+        r = self._reqs.pop(req_id)
+        for off in r.offsets:
+            self.buddy.free(off)
+        self._add(r, -1)
+
+    def num_seqs(self, req_id: str) -> int:
+        return len(self._reqs[req_id].offsets)
+
+    @property
+    def kv_tokens(self) -> int:
+        return self._tokens
+
+    def breakdown(self, blocked: Request | None = None) -> Breakdown:
+        free = self.buddy.free_slots
+        ext = self.buddy.unusable_free(self.reserve_size(blocked)) if blocked is not None else 0
+        return Breakdown(self._tokens, self._reserved, self._internal, ext, free - ext)
+
+    def check(self) -> None:
+        self.buddy.check()
+        held = sum(len(r.offsets) * r.size for r in self._reqs.values())
+        assert held == self.buddy.allocated_slots, (held, self.buddy.allocated_slots)
+        assert self._tokens + self._reserved + self._internal == held
+
+
+# ---- beam search model ------------------------------------------------------------------------
+
+
+class BeamModel:
+    """Which beams survive a beam-search step: a seeded stand-in for a language model.
+
+    Each live beam's next-token distribution is a draw from a symmetric Dirichlet(``alpha``)
+    over ``vocab`` candidates (``alpha`` < 1 makes it peaked, as a trained model's is); each beam
+    offers its ``width`` most likely tokens, scored by the beam's cumulative log-probability plus
+    the token's; the ``width`` best of all candidates survive (standard beam search, no length
+    penalty, no early stop). A beam with no surviving candidate is freed; one with k survivors
+    continues and is forked k - 1 times. The first step expands the prompt alone into ``width``
+    beams. Example (width 2): beams A (-1.0), B (-1.2) offer A+x (-1.1), A+y (-2.0), B+z (-1.5),
+    B+w (-3.0) -> survivors A+x, B+z: no fork. If A's top two were -1.1 and -1.3, both survivors
+    descend from A: B is freed and A forked once; that is what makes beams share long prefixes.
+    """
+
+    def __init__(self, seed: int = 0, alpha: float = 0.3, vocab: int = 32) -> None:
+        if not alpha > 0 or not isinstance(vocab, int) or vocab < 2:
+            raise ValueError(f"need alpha > 0 and vocab >= 2, got {alpha!r}, {vocab!r}")
+        self.rng = np.random.default_rng(seed)
+        self.alpha = alpha
+        self.vocab = vocab
+
+    def select(self, scores: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(parents, new_scores)``: for each of the ``width`` survivors, its parent beam index
+        (sorted ascending) and its cumulative score."""
+        return self.select_many([scores], [width])[0]
+
+    def select_many(self, scores: list[np.ndarray], widths: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """:meth:`select` for several requests at once (one vectorised draw for all their beams)."""
+        if len(scores) != len(widths) or any(w < 1 for w in widths):
+            raise ValueError("need one width >= 1 per score array")
+        if not scores:
+            return []
+        rows = [len(s) for s in scores]
+        g = self.rng.standard_gamma(self.alpha, size=(sum(rows), self.vocab))  # Dirichlet draws
+        kmax = min(max(widths), self.vocab)
+        top = -np.sort(-g, axis=1)[:, :kmax]
+        with np.errstate(divide="ignore"):
+            logp = np.log(top) - np.log(g.sum(axis=1, keepdims=True))
+        out, i = [], 0
+        for s, w, r in zip(scores, widths, rows):
+            k = min(w, self.vocab)
+            cand = (s[:, None] + logp[i : i + r, :k]).ravel()
+            best = np.argsort(-cand, kind="stable")[:w]
+            best.sort()
+            out.append((best // k, cand[best]))
+            i += r
+        return out
+
+
+# ---- the paged cache ------------------------------------------------------------------------
+
+
+class _PagedReq:
+    __slots__ = ("req", "seqs", "keys", "length", "scores", "reorg_at", "next_child")
+
+    def __init__(self, req: Request, seqs: list[str], length: int) -> None:
+        self.req = req
+        self.seqs = seqs
+        self.keys = [seq_key(s) for s in seqs]
+        self.length = length
+        self.scores = np.zeros(1)
+        self.reorg_at = -1  # length at which the beams were last reorganised
+        self.next_child = 1
+
+
+class PagedAllocator(KVAllocator):
+    """The real :class:`~pagedkv.KVCacheManager` behind the allocator interface.
+
+    Admission allocates the prompt only (``add_sequence``; a preempted single-sequence request
+    comes back with its generated tokens appended to the prompt, as vLLM's recompute does, and
+    finds them in the prefix cache when they were not evicted). Parallel sampling forks the
+    prompt ``n - 1`` times at admission; beam search forks and frees per :class:`BeamModel`.
+    ``watermark`` keeps that share of blocks free at admission (vLLM's default is 1%) so a
+    freshly admitted batch does not preempt at its first step.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 hash_algo: str = "sha256", watermark: float = 0.01, beam_seed: int = 0) -> None:
+        if not 0 <= watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
+        self.m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
+                                hash_algo=hash_algo, enable_events=False)
+        self.name = "paged"
+        self.block_size = block_size
+        self.capacity = num_blocks * block_size
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.beams = BeamModel(beam_seed)
+        self._reqs: dict[str, _PagedReq] = {}
+        self._kv_tokens = 0
+        self.copies = 0
+
+    def admit(self, req: Request, generated: int = 0) -> bool:
+        if req.req_id in self._reqs:
+            raise ValueError(f"request {req.req_id} is already admitted")
+        if not 0 <= generated <= req.output_len or (generated and req.num_seqs > 1):
+            raise ValueError(f"generated must be in [0, {req.output_len}] (0 for n > 1 / beams)")
+        m = self.m
+        need = -(-(req.prompt_len + generated) // self.block_size)
+        if m.num_free_blocks < need + self.watermark_blocks and self._reqs:
+            return False
+        root = f"{req.req_id}.0"
+        prompt = req.prompt_tokens()
+        if generated:
+            pos = np.arange(req.prompt_len, req.prompt_len + generated)
+            prompt += generated_tokens(np.full(generated, seq_key(root), dtype=np.uint64), pos).tolist()
+        try:
+            self.last_hit_tokens = m.add_sequence(root, prompt)
+        except OutOfBlocks:  # nothing changed
+            return False
+        seqs = [root] + [f"{req.req_id}.{i}" for i in range(1, req.n)]
+        for child in seqs[1:]:
+            m.fork(root, child)
+        st = _PagedReq(req, seqs, req.prompt_len + generated)
+        st.next_child = len(seqs)
+        self._reqs[req.req_id] = st
+        self._kv_tokens += len(seqs) * st.length
+        return True
+
+    def _reorganise_beams(self, st: _PagedReq, parents: np.ndarray, scores: np.ndarray) -> None:
+        """One beam-search selection: free losing beams, fork the winners that won twice or more."""
+        st.scores = scores
+        counts = np.bincount(parents, minlength=len(st.seqs))
+        seqs, keys = [], []
+        for i, c in enumerate(counts.tolist()):
+            if c == 0:
+                self.m.free(st.seqs[i])
+        for i, c in enumerate(counts.tolist()):
+            for j in range(c):
+                if j == 0:
+                    seqs.append(st.seqs[i])
+                    keys.append(st.keys[i])
+                else:
+                    child = f"{st.req.req_id}.{st.next_child}"
+                    st.next_child += 1
+                    self.m.fork(st.seqs[i], child)
+                    seqs.append(child)
+                    keys.append(seq_key(child))
+        self._kv_tokens += (len(seqs) - len(st.seqs)) * st.length
+        st.seqs, st.keys = seqs, keys
+        st.reorg_at = st.length
+
+    def step(self, req_ids: Sequence[str]) -> int:
+        ids: list[str] = []
+        keys: list[int] = []
+        pos: list[int] = []
+        sts = [self._reqs[r] for r in req_ids]
+        beams = [st for st in sts if st.req.beam_width > 1 and st.reorg_at != st.length]
+        if beams:
+            picks = self.beams.select_many([st.scores for st in beams], [st.req.beam_width for st in beams])
+            for st, (parents, scores) in zip(beams, picks):
+                self._reorganise_beams(st, parents, scores)
+        for st in sts:
+            ids += st.seqs
+            keys += st.keys
+            pos += [st.length] * len(st.seqs)
+        toks = generated_tokens(np.array(keys, dtype=np.uint64), np.array(pos, dtype=np.uint64))
+        self.m.append_batch(ids, toks)  # OutOfBlocks: atomic, the scheduler preempts and retries
+        self.copies += len(self.m.take_copies())
+        for st in sts:
+            st.length += 1
+        self._kv_tokens += len(ids)
+        return len(ids)
+
+    def release(self, req_id: str) -> None:
+        st = self._reqs.pop(req_id)
+        for s in reversed(st.seqs):
+            self.m.free(s)
+        self._kv_tokens -= len(st.seqs) * st.length
+
+    def num_seqs(self, req_id: str) -> int:
+        st = self._reqs[req_id]
+        return max(len(st.seqs), st.req.num_seqs)
+
+    @property
+    def kv_tokens(self) -> int:
+        return self._kv_tokens
+
+    def usage(self) -> Usage:
+        return self.m.usage()
+
+    def breakdown(self, blocked: Request | None = None) -> Breakdown:
+        return self._breakdown(self.m.usage())
+
+    def observe(self, blocked: Request | None = None) -> tuple[Breakdown, int, int]:
+        u = self.m.usage()
+        return self._breakdown(u), u.used_blocks + u.blocks_saved_by_sharing, u.blocks_saved_by_sharing
+
+    def _breakdown(self, u: Usage) -> Breakdown:
+        """Paged memory has no reservations and no external fragmentation: any free block serves
+        any request. Cached-free blocks (prefix cache) count as free: they are evictable."""
+        internal = u.allocated_slots - u.stored_tokens
+        return Breakdown(u.stored_tokens, 0, internal, 0, self.capacity - u.allocated_slots)
+
+    def sharing(self) -> tuple[int, int]:
+        u = self.m.usage()
+        return u.used_blocks + u.blocks_saved_by_sharing, u.blocks_saved_by_sharing
+
+    def check(self) -> None:
+        self.m.check_invariants()
+        assert self._kv_tokens == self.m.usage().logical_tokens
+
+
+def make_allocator(name: str, num_blocks: int, block_size: int = 16, max_len: int = 2048,
+                   **paged_kw) -> KVAllocator:
+    """An allocator by name over ``num_blocks x block_size`` slots of KV memory.
+
+    ``make_allocator("max", 983, 16)`` is Orca Max over the vLLM paper's 15,728 OPT-13B slots.
+    """
+    if name not in ALLOCATORS:
+        raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}, got {name!r}")
+    if not isinstance(num_blocks, int) or num_blocks < 1 or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"num_blocks and block_size must be positive ints, got {num_blocks!r}, {block_size!r}")
+    if name == "paged":
+        return PagedAllocator(num_blocks, block_size, **paged_kw)
+    return ReservationAllocator(num_blocks * block_size, name, max_len)

@@ -1,0 +1,209 @@
+"""Reservation baselines and the paged adapter: sizes, sharing, and accounting that sums exactly.
+
+Tolerances: slot accounting is exact (integers, ``==`` the capacity at every step); shares are
+floats and must sum to 1 within 1e-12.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedkv import OutOfBlocks
+from pagedkv.sim.baselines import (
+    ALLOCATORS,
+    BeamModel,
+    Breakdown,
+    PagedAllocator,
+    ReservationAllocator,
+    generated_tokens,
+    make_allocator,
+)
+from pagedkv.sim.request import VOCAB_SIZE, Request
+
+
+def req(i: int, prompt: int, output: int, **kw) -> Request:
+    return Request(f"r{i}", 0.0, ((1000 + i, prompt),), output, **kw)
+
+
+@pytest.mark.parametrize("policy,size,internal", [("max", 2048, 1549), ("pow2", 512, 13), ("oracle", 499, 0)])
+def test_reservation_sizes_docstring_example(policy, size, internal):
+    a = ReservationAllocator(5000, policy, 2048)
+    r = req(0, 161, 338)
+    assert a.reserve_size(r) == size
+    assert a.admit(r)
+    b = a.breakdown()
+    assert (b.token_states, b.reserved, b.internal_fragmentation) == (161, 338, internal)
+    assert b.total == 5000
+    a.step(["r0"])
+    b = a.breakdown()
+    assert (b.token_states, b.reserved) == (162, 337)
+    a.check()
+
+
+def test_module_docstring_example_external_fragmentation():
+    a = ReservationAllocator(5000, "max", 2048)
+    assert a.admit(req(0, 300, 200)) and a.admit(req(1, 10, 10))
+    head = req(2, 10, 10)
+    assert not a.admit(head)
+    b = a.breakdown(blocked=head)
+    assert b.external_fragmentation == 904 and b.free == 0
+    assert a.breakdown().external_fragmentation == 0  # no blocked head: free is free
+    a.check()
+
+
+def test_reservation_parallel_sampling_reserves_each_sequence():
+    a = ReservationAllocator(5000, "oracle", 2048)
+    assert a.admit(req(0, 100, 50, n=3))
+    assert a.num_seqs("r0") == 3
+    assert a.breakdown().token_states == 300  # every sample holds its own prompt copy
+    assert a.step(["r0"]) == 3
+    assert a.kv_tokens == 303
+
+
+def test_failed_multi_sequence_admission_is_atomic():
+    a = ReservationAllocator(4096, "max", 2048)
+    before = a.buddy.free_blocks()
+    assert not a.admit(req(0, 10, 10, beam_width=3))  # two of three reservations fit
+    assert a.buddy.free_blocks() == before and a.kv_tokens == 0
+    a.check()
+
+
+def test_reservation_validation():
+    with pytest.raises(ValueError):
+        ReservationAllocator(100, "huge")
+    a = ReservationAllocator(100, "max", 64)
+    with pytest.raises(ValueError):
+        a.admit(req(0, 60, 10))  # longer than max_len
+    assert a.admit(req(1, 5, 1))
+    with pytest.raises(ValueError):
+        a.admit(req(1, 5, 1))
+    a.step(["r1"])
+    with pytest.raises(ValueError):
+        a.step(["r1"])  # already at its final length
+    with pytest.raises(ValueError):
+        make_allocator("lru", 10)
+    with pytest.raises(ValueError):
+        make_allocator("paged", 0)
+
+
+def test_paged_breakdown_is_the_managers_usage():
+    a = PagedAllocator(64, 16, enable_prefix_caching=False)
+    assert a.admit(req(0, 40, 5, n=4))
+    u = a.usage()
+    assert (u.used_blocks, u.blocks_saved_by_sharing) == (3, 9)  # 4 x 3 logical over 3 physical
+    b = a.breakdown()
+    assert b.token_states == u.stored_tokens == 40
+    assert b.internal_fragmentation == u.allocated_slots - u.stored_tokens == 8
+    assert b.reserved == 0 and b.external_fragmentation == 0 and b.total == a.capacity
+    a.step(["r0"])  # each child copies the shared partial block (copy-on-write)
+    assert a.copies == 3
+    assert a.observe()[1:] == (12, 6)
+    a.check()
+
+
+def test_paged_preempted_single_sequence_resumes_from_the_prefix_cache():
+    a = PagedAllocator(64, 4)
+    r = req(0, 10, 20)
+    assert a.admit(r)
+    for _ in range(6):
+        a.step(["r0"])
+    a.release("r0")
+    assert a.admit(r, generated=6)  # prompt + the 6 generated tokens, same content
+    assert a.last_hit_tokens == 12  # 3 full blocks of 4 served from cache (never the last token)
+    a.check()
+
+
+def test_paged_beam_search_keeps_width_and_frees_losers():
+    a = PagedAllocator(256, 4, enable_prefix_caching=False, beam_seed=3)
+    assert a.admit(req(0, 9, 30, beam_width=4))
+    for _ in range(30):
+        a.step(["r0"])
+        assert a.num_seqs("r0") == 4 and len(a._reqs["r0"].seqs) == 4
+        a.check()
+    u = a.usage()
+    assert u.forks >= 3 and u.blocks_saved_by_sharing > 0
+    a.release("r0")
+    assert a.usage().used_blocks == 0
+
+
+def test_beam_model_is_seeded_and_sorted():
+    m1, m2 = BeamModel(7), BeamModel(7)
+    p, s = m1.select(np.zeros(1), 4)
+    assert p.tolist() == [0, 0, 0, 0]  # the first step expands the prompt alone
+    for _ in range(5):
+        p1, s1 = m1.select(s, 4)
+        assert (np.diff(p1) >= 0).all() and len(p1) == 4
+        s = s1
+    m2.select(np.zeros(1), 4)
+    with pytest.raises(ValueError):
+        BeamModel(alpha=0)
+    with pytest.raises(ValueError):
+        m2.select_many([np.zeros(2)], [])
+
+
+def test_generated_tokens_deterministic_in_vocab():
+    keys = np.array([1, 1, 2], dtype=np.uint64)
+    pos = np.array([5, 6, 5], dtype=np.uint64)
+    t = generated_tokens(keys, pos)
+    assert (t == generated_tokens(keys, pos)).all()
+    assert ((0 <= t) & (t < VOCAB_SIZE)).all() and t[0] != t[2]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    name=st.sampled_from(ALLOCATORS),
+    lens=st.lists(st.tuples(st.integers(1, 120), st.integers(0, 80), st.sampled_from(["1", "n3", "b2", "b4"])),
+                  min_size=1, max_size=25),
+    num_blocks=st.integers(20, 80),
+    block_size=st.sampled_from([1, 4, 16]),
+)
+def test_categories_sum_to_capacity_exactly(name, lens, num_blocks, block_size):
+    """Drive an allocator by hand (admit FCFS, step, finish, preempt) and account every slot."""
+    a = make_allocator(name, num_blocks, block_size, max_len=256, enable_prefix_caching=True) \
+        if name == "paged" else make_allocator(name, num_blocks, block_size, max_len=256)
+    kinds = {"1": {}, "n3": {"n": 3}, "b2": {"beam_width": 2}, "b4": {"beam_width": 4}}
+    waiting = [req(i, p, o, **kinds[k]) for i, (p, o, k) in enumerate(lens)]
+    running: dict[str, list] = {}
+    for _ in range(3000):
+        blocked = None
+        while waiting:
+            if a.admit(waiting[0]):
+                r = waiting.pop(0)
+                running[r.req_id] = [r, 0]
+            else:
+                blocked = waiting[0]
+                break
+        if not running:
+            if waiting:
+                waiting.pop(0)  # never fits
+                continue
+            break
+        bd = a.breakdown(blocked)
+        assert bd.total == a.capacity
+        assert min(bd.as_tuple()) >= 0
+        assert abs(sum(bd.shares().values()) - 1) < 1e-12
+        assert a.kv_tokens >= bd.token_states if name == "paged" else a.kv_tokens == bd.token_states
+        for k in [k for k, (r, g) in running.items() if g >= r.output_len]:
+            a.release(k)  # zero-output requests finish at admission
+            del running[k]
+        active = list(running)
+        while active:  # retry without the newest request until the step fits (preemption)
+            try:
+                a.step(active)
+                break
+            except OutOfBlocks:
+                victim = active.pop()
+                a.release(victim)
+                r = running.pop(victim)[0]
+                if running:  # requeue; alone, it can never finish: drop it
+                    waiting.insert(0, r)
+        for k in active:
+            running[k][1] += 1
+        for k in [k for k, (r, g) in running.items() if g >= r.output_len]:
+            a.release(k)
+            del running[k]
+        a.check()
+    assert not running and not waiting
+    assert a.breakdown() == Breakdown(0, 0, 0, 0, a.capacity)  # everything freed and merged back
