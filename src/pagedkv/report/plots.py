@@ -6,6 +6,7 @@ never show a number the table does not.
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 
 from ..tables import Table
@@ -48,7 +49,7 @@ def plot_table(table: Table, out_dir: Path, stem: str) -> Path | None:
         for i, name in enumerate(ys):
             pos = [j + i * width for j in range(len(x))]
             ax.bar(pos, _numbers(table, name), width=width, label=name)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(x))], [str(v) for v in x], rotation=20)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(x))], [str(v) for v in x], rotation=20, ha="right")
     else:
         for name in ys:
             ax.plot(x, _numbers(table, name), marker="o", label=name)
@@ -58,7 +59,7 @@ def plot_table(table: Table, out_dir: Path, stem: str) -> Path | None:
         ax.set_yscale("log")
     ax.set_xlabel(hint["x"])
     ax.set_ylabel(hint.get("ylabel", ""))
-    ax.set_title(table.title, fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(table.title, 90)), fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
