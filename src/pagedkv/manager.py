@@ -49,9 +49,11 @@ class _Seq:
     a just-filled block's bytes for hashing are one slice away.
     """
 
-    __slots__ = ("table", "tokens", "hashes", "root", "mirror")
+    __slots__ = ("table", "tokens", "hashes", "root", "mirror", "nxt")
 
-    def __init__(self, table: list, tokens: array, hashes: list, root: Hashable, mirror=None) -> None:
+    def __init__(
+        self, table: list, tokens: array, hashes: list, root: Hashable, mirror=None, nxt: int = -1
+    ) -> None:
         self.table = table
         self.tokens = tokens
         self.hashes = hashes
@@ -60,6 +62,11 @@ class _Seq:
             mirror = np.empty(max(8, 2 * len(table)), dtype=np.int32)
             mirror[: len(table)] = table
         self.mirror = mirror  # the table as int32 with spare capacity: exports slice it
+        # The slot the next token takes when that needs no decision: the last block is partial
+        # and this sequence is its only holder. -1 sends the append down the slow path (full
+        # last block, or a fork may have shared it). Only fork shares a partial block, and fork
+        # resets it on both sides, so the fast path never writes into a shared block.
+        self.nxt = nxt
 
     def add_block(self, b: int) -> None:
         """Append a block to the table and its int32 mirror (grown by doubling)."""
@@ -215,7 +222,8 @@ class KVCacheManager:
                 cache.publish(table[k:nfull], hashes[k:nfull], parent, tokens[k * bs : nfull * bs], bs)
             cache.query_tokens += n
             cache.hit_tokens += k * bs
-        self._seqs[seq_id] = _Seq(table, tokens, hashes, root)
+        nxt = table[-1] * bs + n % bs if n % bs else -1  # the last block is fresh: private
+        self._seqs[seq_id] = _Seq(table, tokens, hashes, root, nxt=nxt)
         return len(hits) * bs
 
     # ---- appends -----------------------------------------------------------------------------
@@ -231,20 +239,7 @@ class KVCacheManager:
             token_id = _as_token(token_id)
         if token_id < 0 or token_id > MAX_TOKEN_ID:
             raise ValueError(f"token id {token_id} outside [0, {MAX_TOKEN_ID}]")
-        bs = self._bs
-        tokens = s.tokens
-        off = len(tokens) % bs
-        if off:
-            b = s.table[-1]
-            if self._rc[b] > 1:
-                b = self._copy_on_write(s, b)
-        else:
-            b = self._pool._take_one()
-            s.add_block(b)
-        tokens.append(token_id)
-        if off == bs - 1 and self._cache is not None:
-            self._publish_last(s)
-        return b * bs + off
+        return self._append(s, token_id)
 
     def append_tokens(self, seq_id: Hashable, token_ids: Sequence[int]) -> list[int]:
         """Append several tokens (chunked prefill, speculative tokens); all or nothing."""
@@ -252,15 +247,14 @@ class KVCacheManager:
         toks = _token_array(token_ids)
         if not toks:
             return []
-        bs, tokens = self._bs, s.tokens
-        n = len(tokens)
+        bs, n = self._bs, len(s.tokens)
         need = -(-(n + len(toks)) // bs) - -(-n // bs)
         if n % bs and self._rc[s.table[-1]] > 1:
             need += 1
         available = self._pool.num_free
         if need > available:
             raise OutOfBlocks(need, available, f"appending to {seq_id!r}")
-        return [self._append_unchecked(s, t) for t in toks]
+        return [self._append(s, t) for t in toks]
 
     def append_batch(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int]) -> np.ndarray:
         """One decode step: append ``token_ids[i]`` to ``seq_ids[i]`` for every i, atomically.
@@ -279,32 +273,65 @@ class KVCacheManager:
         ss = itemgetter(*seq_ids)(self._seqs)
         if len(set(seq_ids)) != n:
             raise ValueError("a sequence id appears twice in one append_batch")
-        bs, rc, pool = self._bs, self._rc, self._pool
-        if pool.num_free < len(ss):  # only then can the batch fail: count exactly
+        pool = self._pool
+        if pool.num_free < n:  # only then can the batch fail: count exactly
             need = self._blocks_for_step(ss)
             if need > pool.num_free:
                 raise OutOfBlocks(need, pool.num_free, "a decode step")
+        bs = self._bs
+        slow = self._slot_slow
         out = []
         push = out.append
-        publish = self._cache is not None
-        last = bs - 1
+        filled = []
         for s, t in zip(ss, toks):
-            tokens = s.tokens
-            off = len(tokens) % bs
-            if off:
-                b = s.table[-1]
-                if rc[b] > 1:
-                    b = self._copy_on_write(s, b)
+            slot = s.nxt
+            if slot < 0:
+                slot = slow(s)
+            s.tokens.append(t)
+            push(slot)
+            slot += 1
+            if slot % bs:
+                s.nxt = slot
             else:
-                b = pool._take_one()
-                s.add_block(b)
-            tokens.append(t)
-            push(b * bs + off)
-            if off == last and publish:
-                self._publish_last(s)
+                s.nxt = -1
+                filled.append(s)
+        if filled and self._cache is not None:
+            self._publish_filled(filled)
         return np.fromiter(out, dtype=np.int64, count=n)
 
-    def _blocks_for_step(self, ss: list[_Seq]) -> int:
+    def _append(self, s: _Seq, token_id: int) -> int:
+        """Append one validated token; the capacity it needs is the caller's to check."""
+        slot = s.nxt
+        if slot < 0:
+            slot = self._slot_slow(s)
+        s.tokens.append(token_id)
+        nxt = slot + 1
+        if nxt % self._bs:
+            s.nxt = nxt
+        else:
+            s.nxt = -1
+            if self._cache is not None:
+                self._publish_filled((s,))
+        return slot
+
+    def _slot_slow(self, s: _Seq) -> int:
+        """Where the next token goes when the fast path cannot tell (``s.nxt`` is -1).
+
+        That is when the last block is full (take a fresh block) or may be shared since a fork
+        (copy it if another table still holds it). Raises OutOfBlocks before changing anything.
+        """
+        bs = self._bs
+        off = len(s.tokens) % bs
+        if off:
+            b = s.table[-1]
+            if self._rc[b] > 1:
+                b = self._copy_on_write(s, b)
+        else:
+            b = self._pool._take_one()
+            s.add_block(b)
+        return b * bs + off
+
+    def _blocks_for_step(self, ss: Sequence[_Seq]) -> int:
         """Blocks one decode step of ``ss`` takes: one per full last block, plus the copies.
 
         ``k`` batch members sharing a partial block held ``r`` times copy ``min(k, r - 1)``
@@ -322,21 +349,6 @@ class KVCacheManager:
                 need += 1
         return need + sum(min(k, rc[b] - 1) for b, k in sharers.items())
 
-    def _append_unchecked(self, s: _Seq, token_id: int) -> int:
-        bs, tokens = self._bs, s.tokens
-        off = len(tokens) % bs
-        if off:
-            b = s.table[-1]
-            if self._rc[b] > 1:
-                b = self._copy_on_write(s, b)
-        else:
-            b = self._pool._take_one()
-            s.add_block(b)
-        tokens.append(token_id)
-        if off == bs - 1 and self._cache is not None:
-            self._publish_last(s)
-        return b * bs + off
-
     def _copy_on_write(self, s: _Seq, old: int) -> int:
         """Give ``s`` a private copy of its shared partial last block; returns the new block."""
         new = self._pool._take_one()  # raises OutOfBlocks before anything changed
@@ -346,20 +358,25 @@ class KVCacheManager:
         self._cow_copies += 1
         return new
 
-    def _publish_last(self, s: _Seq) -> None:
-        """The last block just filled: hash it (chained) and offer it to the prefix cache."""
-        bs = self._bs
-        block_tokens = s.tokens[-bs:]
-        parent = s.hashes[-1] if s.hashes else s.root
-        h = self._digest(parent, _le_bytes(block_tokens))
-        s.hashes.append(h)
-        cache = self._cache
-        if h not in cache._map:  # publish_one, inlined: this runs once per filled block
-            b = s.table[-1]
-            cache._map[h] = b
-            self._pool._keys[b] = h
-            if cache.events_enabled:
-                cache.stored_raw((h,), parent, block_tokens, bs)
+    def _publish_filled(self, filled: Sequence[_Seq]) -> None:
+        """Each sequence's last block just filled: hash it (chained), offer it to the cache.
+
+        One call per decode step, not per block, with every lookup hoisted out of the loop.
+        """
+        bs, digest, cache = self._bs, self._digest, self._cache
+        m, keys, events = cache._map, self._pool._keys, cache.events_enabled
+        for s in filled:
+            block_tokens = s.tokens[-bs:]
+            hashes = s.hashes
+            parent = hashes[-1] if hashes else s.root
+            h = digest(parent, _le_bytes(block_tokens))
+            hashes.append(h)
+            if h not in m:
+                b = s.table[-1]
+                m[h] = b
+                keys[b] = h
+                if events:
+                    cache.stored_raw((h,), parent, block_tokens, bs)
 
     def take_copies(self) -> list[CopyOp]:
         """Drain the copies queued by copy-on-write; run them before writing this step's KV."""
@@ -376,6 +393,7 @@ class KVCacheManager:
         rc = self._rc
         for b in p.table:
             rc[b] += 1
+        p.nxt = -1  # the partial last block, if any, is shared now: the next write decides
         self._seqs[child_id] = _Seq(p.table.copy(), p.tokens[:], p.hashes.copy(), p.root, p.mirror.copy())
         self._forks += 1
 
@@ -494,6 +512,9 @@ class KVCacheManager:
             if n % bs:
                 b = s.table[-1]
                 _require(partial_fill.setdefault(b, n % bs) == n % bs, f"partial block {b} shared at two fills")
+            if s.nxt >= 0:
+                ok = n % bs and s.nxt == s.table[-1] * bs + n % bs and rc[s.table[-1]] == 1
+                _require(bool(ok), f"sequence {sid!r}: fast-path slot {s.nxt} is not its private next slot")
         for sid, s in self._seqs.items():
             for b in s.table[: len(s.tokens) // bs]:
                 _require(b not in partial_fill, f"block {b} is full in {sid!r} but partial elsewhere")
@@ -542,12 +563,15 @@ def _token_array(token_ids: Any) -> array:
     return _token_array(list(token_ids))
 
 
-def _le_bytes(tokens: array) -> bytes:
-    """The tokens' bytes as little-endian uint32, the form every hash is computed over."""
-    if _BIG_ENDIAN:  # pragma: no cover - no big-endian CI
-        tokens = tokens[:]
-        tokens.byteswap()
+def _le_bytes_swapped(tokens: array) -> bytes:  # pragma: no cover - no big-endian CI
+    tokens = tokens[:]
+    tokens.byteswap()
     return tokens.tobytes()
+
+
+# The tokens' bytes as little-endian uint32, the form every hash is computed over: on a
+# little-endian machine that is the array's own memory, and the C method is called directly.
+_le_bytes = _le_bytes_swapped if _BIG_ENDIAN else array.tobytes
 
 
 def _as_token(token: Any) -> int:

@@ -38,21 +38,29 @@ EvictCallback = Callable[[int, Hashable], None]
 class BlockPool:
     """Physical block ids with refcounts, a LIFO clean stack and an LRU of cached-free blocks."""
 
-    __slots__ = ("_num_blocks", "_rc", "_clean", "_fresh", "_lru", "_keys", "on_evict", "evictions")
+    __slots__ = ("_num_blocks", "_rc", "_clean", "_fresh", "_lru", "_keys", "on_evict", "on_evict_many", "evictions")
 
-    def __init__(self, num_blocks: int, on_evict: Optional[EvictCallback] = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        on_evict: Optional[EvictCallback] = None,
+        on_evict_many: Optional[Callable[[list, list], None]] = None,
+    ) -> None:
         num_blocks = as_int(num_blocks, "num_blocks")
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        if on_evict is not None and not callable(on_evict):
-            raise ValueError("on_evict must be callable or None")
+        if not all(f is None or callable(f) for f in (on_evict, on_evict_many)):
+            raise ValueError("on_evict and on_evict_many must be callables or None")
         self._num_blocks = num_blocks
         self._rc: list[int] = [0] * num_blocks  # refcount per block (hot paths read it directly)
         self._clean: list[int] = []  # freed clean blocks; top (end) is handed out first
         self._fresh = 0  # blocks [_fresh, num_blocks) were never handed out
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached-free, least recently freed first
         self._keys: dict[int, Hashable] = {}  # block -> key, for in-use and cached-free blocks
+        # Told of evictions: on_evict(block, key) once per block, or, when set instead,
+        # on_evict_many(blocks, keys) once per allocation (one admission can evict 50 blocks).
         self.on_evict = on_evict
+        self.on_evict_many = on_evict_many
         self.evictions = 0
 
     # ---- sizes -------------------------------------------------------------------------------
@@ -148,23 +156,25 @@ class BlockPool:
 
     def _evict_oldest_n(self, n: int) -> list[int]:
         """Evict the ``n`` least recently freed cached blocks (an admission may need 50)."""
-        pop, keys_pop, on_evict = self._lru.popitem, self._keys.pop, self.on_evict
+        pop = self._lru.popitem
         out = [pop(False)[0] for _ in range(n)]
+        keys = list(map(self._keys.pop, out))
         self.evictions += n
-        if on_evict is None:
-            for b in out:
-                del self._keys[b]
-        else:
-            for b in out:
-                on_evict(b, keys_pop(b))
+        self._notify(out, keys)
         return out
+
+    def _notify(self, blocks: list, keys: list) -> None:
+        if self.on_evict_many is not None:
+            self.on_evict_many(blocks, keys)
+        elif self.on_evict is not None:
+            for b, k in zip(blocks, keys):
+                self.on_evict(b, k)
 
     def _evict_oldest(self) -> int:
         b, _ = self._lru.popitem(last=False)
         key = self._keys.pop(b)
         self.evictions += 1
-        if self.on_evict is not None:
-            self.on_evict(b, key)
+        self._notify([b], [key])
         return b
 
     # ---- references --------------------------------------------------------------------------

@@ -34,7 +34,7 @@ class PrefixCache:
         self.events_enabled = enable_events
         self.query_tokens = 0
         self.hit_tokens = 0
-        pool.on_evict = self._on_evict
+        pool.on_evict_many = self._on_evict_many
 
     def __len__(self) -> int:
         return len(self._map)
@@ -103,10 +103,12 @@ class PrefixCache:
         if self.events_enabled:
             self.stored_raw(tuple(hashes[i:j]), parent if i == 0 else hashes[i - 1], tokens[i * bs : j * bs], bs)
 
-    def _on_evict(self, block: int, key: Hashable) -> None:
-        del self._map[key]  # the map and the pool's keys are one bijection
+    def _on_evict_many(self, blocks: list, keys: list) -> None:
+        m = self._map
+        for key in keys:
+            del m[key]  # the map and the pool's keys are one bijection
         if self.events_enabled:
-            self._removed.append(key)
+            self._removed += keys
 
     def _flush_removed(self) -> None:
         """Fold the evictions since the last event into one BlockRemoved, keeping event order."""
