@@ -212,8 +212,7 @@ class KVCacheManager:
         available = self._pool.num_free - revivals
         if need > available:
             raise OutOfBlocks(need, available, f"admitting {seq_id!r}")
-        for b in hits:
-            self._pool._acquire(b)
+        self._pool._acquire_all(hits)
         table = hits + self._pool._take(need)
         if cache is not None:
             k, nfull = len(hits), len(hashes)

@@ -25,7 +25,8 @@ Engines that keep their own block tables can use the pool alone::
 from __future__ import annotations
 
 import operator
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from itertools import islice, repeat
 from typing import Callable, Hashable, Iterable, Optional
 
 from .types import OutOfBlocks
@@ -134,9 +135,7 @@ class BlockPool:
             self._fresh += m
             if n > m:
                 out += self._evict_oldest_n(n - m)
-        rc = self._rc
-        for b in out:
-            rc[b] = 1
+        _consume(map(self._rc.__setitem__, out, repeat(1)))  # rc = 1 for each, at C speed
         return out
 
     def _take_one(self) -> int:
@@ -156,8 +155,9 @@ class BlockPool:
 
     def _evict_oldest_n(self, n: int) -> list[int]:
         """Evict the ``n`` least recently freed cached blocks (an admission may need 50)."""
-        pop = self._lru.popitem
-        out = [pop(False)[0] for _ in range(n)]
+        lru = self._lru
+        out = list(islice(lru, n))  # the n oldest, then drop them: two C-level passes
+        _consume(map(lru.__delitem__, out))
         keys = list(map(self._keys.pop, out))
         self.evictions += n
         self._notify(out, keys)
@@ -228,13 +228,15 @@ class BlockPool:
         del self._lru[block]
         self._rc[block] = 1
 
-    def _acquire(self, block: int) -> None:
-        """Unchecked: +1 reference to a block that is in use or cached-free."""
-        if self._rc[block]:
-            self._rc[block] += 1
-        else:
-            del self._lru[block]
-            self._rc[block] = 1
+    def _acquire_all(self, blocks: Iterable[int]) -> None:
+        """Unchecked: +1 reference to each block, in use or cached-free (prefix hits)."""
+        rc, lru = self._rc, self._lru
+        for b in blocks:
+            if rc[b]:
+                rc[b] += 1
+            else:
+                del lru[b]
+                rc[b] = 1
 
     # ---- keys --------------------------------------------------------------------------------
 
@@ -297,6 +299,11 @@ class BlockPool:
         _require(min(rc) >= 0, "negative refcount")
         _require(used == self.num_used, f"{used} blocks referenced, {self.num_used} counted used")
         _require(used + self.num_clean + self.num_cached == n, "free + cached + used != total")
+
+
+def _consume(iterator) -> None:
+    """Run an iterator to its end in C (``deque(maxlen=0)``): a loop with no bytecode per item."""
+    deque(iterator, maxlen=0)
 
 
 def as_int(value, what: str) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Hashable, Sequence
 
-from .pool import BlockPool
+from .pool import BlockPool, _consume
 from .types import AllBlocksCleared, BlockRemoved, BlockStored
 
 __all__ = ["PrefixCache"]
@@ -104,9 +104,7 @@ class PrefixCache:
             self.stored_raw(tuple(hashes[i:j]), parent if i == 0 else hashes[i - 1], tokens[i * bs : j * bs], bs)
 
     def _on_evict_many(self, blocks: list, keys: list) -> None:
-        m = self._map
-        for key in keys:
-            del m[key]  # the map and the pool's keys are one bijection
+        _consume(map(self._map.__delitem__, keys))  # the map and the pool's keys: one bijection
         if self.events_enabled:
             self._removed += keys
 
