@@ -56,7 +56,7 @@ def test_quick_section_matches_the_independent_count():
     assert rates == sorted(rates) and rates[0] < rates[-1]  # more capacity, more hits
     t = sec.tables[0]
     assert t.plot and all(isinstance(v, (int, float)) for v in t.column(t.plot["x"]))
-    assert all(not math.isnan(v) for v in t.column("hit rate (manager)"))
+    assert all(not math.isnan(v) for v in t.column("hit rate (manager) %"))
     json.dumps(sec.to_dict())
 
 
