@@ -39,7 +39,7 @@ import numpy as np
 from ..manager import KVCacheManager
 from ..types import OutOfBlocks, Usage
 from .buddy import BuddyAllocator, order_for
-from .request import VOCAB_SIZE, Request
+from .request import Request, mix_tokens
 
 __all__ = [
     "CATEGORIES",
@@ -82,11 +82,6 @@ class Breakdown:
         return {k: (v / t if t else 0.0) for k, v in zip(CATEGORIES, self.as_tuple())}
 
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
-
-
 def seq_key(seq_id: str) -> int:
     """A stable 64-bit content key for a sequence's generated tokens (same id -> same tokens)."""
     return int.from_bytes(hashlib.blake2b(seq_id.encode(), digest_size=8).digest(), "little")
@@ -99,14 +94,7 @@ def generated_tokens(keys: np.ndarray, positions: np.ndarray) -> np.ndarray:
     deterministic, so a sequence recomputed after preemption produces the same tokens and finds
     its own blocks again in the prefix cache.
     """
-    with np.errstate(over="ignore"):
-        x = np.asarray(positions, dtype=np.uint64) + np.asarray(keys, dtype=np.uint64) * _GOLDEN
-        x ^= x >> np.uint64(30)
-        x *= _MIX1
-        x ^= x >> np.uint64(27)
-        x *= _MIX2
-        x ^= x >> np.uint64(31)
-    return (x % np.uint64(VOCAB_SIZE)).astype(np.int64)
+    return mix_tokens(keys, positions).astype(np.int64)
 
 
 class KVAllocator(ABC):

@@ -16,31 +16,38 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Request", "segment_tokens", "VOCAB_SIZE"]
+__all__ = ["Request", "segment_tokens", "mix_tokens", "VOCAB_SIZE"]
 
 VOCAB_SIZE = 32_000  # token ids are drawn from [0, VOCAB_SIZE), a Llama-2-sized vocabulary
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 
 
-def segment_tokens(key: int, length: int, start: int = 0) -> np.ndarray:
-    """Tokens ``start .. start+length`` of the content stream named ``key`` (int32).
+def mix_tokens(keys, positions) -> np.ndarray:
+    """Token ids for ``(key, position)`` pairs, elementwise (broadcasting), as int32.
 
-    A splitmix64 mix of ``(key, position)``: deterministic across processes and platforms, so a
-    trace replays to the same tokens (and, with sha256, the same block hashes) everywhere.
+    A splitmix64 mix: deterministic across processes and platforms, so a trace replays to the
+    same tokens (and, with sha256, the same block hashes) everywhere, and a sequence recomputed
+    after preemption regenerates the tokens it had.
     """
-    if length < 0 or start < 0:
-        raise ValueError(f"segment length and start must be >= 0, got {length}, {start}")
     with np.errstate(over="ignore"):
-        x = np.arange(start, start + length, dtype=np.uint64)
-        x += np.uint64((key * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)
+        x = np.asarray(positions, dtype=np.uint64) + np.asarray(keys, dtype=np.uint64) * _GOLDEN
         x ^= x >> np.uint64(30)
         x *= _MIX1
         x ^= x >> np.uint64(27)
         x *= _MIX2
         x ^= x >> np.uint64(31)
     return (x % np.uint64(VOCAB_SIZE)).astype(np.int32)
+
+
+def segment_tokens(key: int, length: int, start: int = 0) -> np.ndarray:
+    """Tokens ``start .. start+length`` of the content stream named ``key`` (int32)."""
+    if length < 0 or start < 0:
+        raise ValueError(f"segment length and start must be >= 0, got {length}, {start}")
+    key64 = np.uint64(key & 0xFFFFFFFFFFFFFFFF)
+    return mix_tokens(key64, np.arange(start, start + length, dtype=np.uint64))
 
 
 @dataclass(frozen=True, slots=True)
