@@ -19,13 +19,8 @@ from pagedkv.model import PagedLlama  # noqa: E402
 pytestmark = pytest.mark.oracle  # every test here runs the transformers model (as oracle or weights)
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The model is tiny: a second intra-op thread only adds spin-waits (10x slower generate when
-    the two cores are shared with other work). Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_torch_thread):
+    """Every test here runs with one torch thread (see conftest)."""
 
 
 PAD = 0
