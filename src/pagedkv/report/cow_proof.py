@@ -124,7 +124,9 @@ def section(opts: ReportOptions) -> Section:
 
 def _error_table(measured, steps) -> Table:
     t = Table("logit error against transformers", ["run", "sequences", "steps", "max |Δ logit|",
-                                                  f"sequences off by > {DIVERGED:g}"])
+                                                  f"sequences off by > {DIVERGED:g}"],
+              plot={"x": "run", "y": ["max |Δ logit|"], "kind": "bar", "logy": True,
+                    "ylabel": "largest logit error (log scale)"})
     for name, errs, _ in measured:
         t.add(name, len(errs), steps, max(errs), sum(e > DIVERGED for e in errs))
     t.notes.append("In place, the samples overwrite one another's K/V at the same offset of the shared "
@@ -136,7 +138,9 @@ def _bytes_table(measured, tiny_block, model_block, model_name) -> Table:
     t = Table(f"bytes copied: lazily (CoW) vs eagerly at fork (right: {model_name}, "
               f"{model_block:,} B/block)",
               ["run", "forks", "CoW blocks", "eager blocks", "CoW bytes", "eager bytes",
-               "CoW MiB", "eager MiB", "eager / CoW"])
+               "CoW MiB", "eager MiB", "eager / CoW"],
+              plot={"x": "run", "y": ["CoW MiB", "eager MiB"], "kind": "bar",
+                    "ylabel": f"MiB moved ({model_name})"})
     for name, _, st in measured:
         if "in place" in name:
             continue
