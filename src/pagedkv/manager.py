@@ -1,8 +1,9 @@
 """KVCacheManager: sequences, block tables, fork, copy-on-write, prefix hits, exports, usage.
 
-This is the only layer that knows what a sequence is. Per sequence it keeps three lists: the
-block table (logical block i -> physical block id), the token ids, and the chained hashes of its
-full blocks (when prefix caching is on). Everything physical (refcounts, free list, eviction)
+This is the only layer that knows what a sequence is. Per sequence it keeps the block table
+(logical block i -> physical block id, plus an int32 mirror that the kernel exports slice), the
+token ids, the chained hashes of its full blocks (when prefix caching is on), and the slot its
+next token takes when no decision is needed (the decode fast path). Everything physical (refcounts, free list, eviction)
 belongs to :class:`~pagedkv.pool.BlockPool`; everything about hashes to
 :class:`~pagedkv.prefix_cache.PrefixCache`.
 
@@ -23,10 +24,10 @@ from __future__ import annotations
 
 import operator
 import sys
-from operator import itemgetter
 from array import array
 from collections import Counter
 from itertools import chain
+from operator import itemgetter
 from typing import Any, Hashable, Iterable, Sequence
 
 import numpy as np
