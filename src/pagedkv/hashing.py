@@ -92,29 +92,21 @@ class BlockHasher:
     def chain(self, parent: Hashable, data: bytes, block_bytes: int, n: int) -> list:
         """Hashes of the first ``n`` blocks of ``data``, each chained from the one before.
 
-        The loop is inlined per algorithm (no call per block): 68 sha256 blocks (a 1,100-token
-        prompt) cost about 25 µs here, against 35 µs through a per-block function.
+        The loop is a comprehension inlined per algorithm (no Python call per block): 68 sha256
+        blocks (a 1,100-token prompt) cost about 25 µs here, against 35 µs through a per-block
+        function.
         """
         stops = range(0, n * block_bytes, block_bytes)
-        out = []
-        append = out.append
+        p = parent
         if self.name == "sha256":
             sha = _sha256
-            for i in stops:
-                parent = sha(parent + data[i : i + block_bytes]).digest()
-                append(parent)
-        elif self.name == "xxh3":
+            return [p := sha(p + data[i : i + block_bytes]).digest() for i in stops]
+        if self.name == "xxh3":
             import xxhash
 
             xxh = xxhash.xxh3_128_digest
-            for i in stops:
-                parent = xxh(parent + data[i : i + block_bytes])
-                append(parent)
-        else:
-            for i in stops:
-                parent = hash((parent, data[i : i + block_bytes]))
-                append(parent)
-        return out
+            return [p := xxh(p + data[i : i + block_bytes]) for i in stops]
+        return [p := hash((p, data[i : i + block_bytes])) for i in stops]
 
 
 def _make_digest(algo: str) -> Callable[[Any, bytes], Hashable]:

@@ -59,10 +59,9 @@ class _Seq:
         self.tokens = tokens
         self.hashes = hashes
         self.root = root
-        if mirror is None:
-            mirror = np.empty(max(8, 2 * len(table)), dtype=np.int32)
-            mirror[: len(table)] = table
-        self.mirror = mirror  # the table as int32 with spare capacity: exports slice it
+        # The table as int32 with spare capacity, which the kernel exports slice. Built on the
+        # first export (many sequences never need one: 3 µs saved per admission), then kept.
+        self.mirror = mirror
         # The slot the next token takes when that needs no decision: the last block is partial
         # and this sequence is its only holder. -1 sends the append down the slow path (full
         # last block, or a fork may have shared it). Only fork shares a partial block, and fork
@@ -70,16 +69,27 @@ class _Seq:
         self.nxt = nxt
 
     def add_block(self, b: int) -> None:
-        """Append a block to the table and its int32 mirror (grown by doubling)."""
+        """Append a block to the table and its int32 mirror, if built (grown by doubling)."""
         n = len(self.table)
         self.table.append(b)
-        if n == len(self.mirror):
-            self.mirror = np.concatenate([self.mirror, np.empty(n, dtype=np.int32)])
-        self.mirror[n] = b
+        mirror = self.mirror
+        if mirror is not None:
+            if n == len(mirror):
+                self.mirror = mirror = np.concatenate([mirror, np.empty(n, dtype=np.int32)])
+            mirror[n] = b
 
     def set_last(self, b: int) -> None:
         self.table[-1] = b
-        self.mirror[len(self.table) - 1] = b
+        if self.mirror is not None:
+            self.mirror[len(self.table) - 1] = b
+
+    def int32_table(self) -> np.ndarray:
+        """The table as int32 (a view of the mirror, built on first use)."""
+        n = len(self.table)
+        if self.mirror is None:
+            self.mirror = np.empty(max(8, 2 * n), dtype=np.int32)
+            self.mirror[:n] = self.table
+        return self.mirror[:n]
 
 
 class KVCacheManager:
@@ -376,7 +386,9 @@ class KVCacheManager:
                 m[h] = b
                 keys[b] = h
                 if events:
-                    cache.stored_raw((h,), parent, block_tokens, bs)
+                    if cache._removed:
+                        cache._flush_removed()
+                    cache._events.append(((h,), parent, block_tokens, bs))  # raw: see stored_raw
 
     def take_copies(self) -> list[CopyOp]:
         """Drain the copies queued by copy-on-write; run them before writing this step's KV."""
@@ -394,7 +406,8 @@ class KVCacheManager:
         for b in p.table:
             rc[b] += 1
         p.nxt = -1  # the partial last block, if any, is shared now: the next write decides
-        self._seqs[child_id] = _Seq(p.table.copy(), p.tokens[:], p.hashes.copy(), p.root, p.mirror.copy())
+        mirror = None if p.mirror is None else p.mirror.copy()
+        self._seqs[child_id] = _Seq(p.table.copy(), p.tokens[:], p.hashes.copy(), p.root, mirror)
         self._forks += 1
 
     def free(self, seq_id: Hashable) -> None:
@@ -429,8 +442,7 @@ class KVCacheManager:
         width = max((len(s.table) for s in ss), default=0)
         out = np.full((len(ss), width), pad, dtype=np.int32)
         for row, s in zip(out, ss):
-            k = len(s.table)
-            row[:k] = s.mirror[:k]
+            row[: len(s.table)] = s.int32_table()
         return out
 
     def flashinfer_layout(self, seq_ids: Sequence[Hashable]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -444,7 +456,7 @@ class KVCacheManager:
         indptr = np.zeros(len(ss) + 1, dtype=np.int32)
         np.cumsum(nblocks, out=indptr[1:])
         if ss:
-            indices = np.concatenate([s.mirror[: len(s.table)] for s in ss])
+            indices = np.concatenate([s.int32_table() for s in ss])
         else:
             indices = np.empty(0, dtype=np.int32)
         ntok = np.fromiter((len(s.tokens) for s in ss), dtype=np.int32, count=len(ss))
@@ -508,7 +520,8 @@ class KVCacheManager:
             n = len(s.tokens)
             _require(n >= 1, f"sequence {sid!r} is empty")
             _require(len(s.table) == -(-n // bs), f"sequence {sid!r}: {len(s.table)} blocks for {n} tokens")
-            _require(s.mirror[: len(s.table)].tolist() == s.table, f"sequence {sid!r}: int32 mirror differs")
+            if s.mirror is not None:
+                _require(s.mirror[: len(s.table)].tolist() == s.table, f"sequence {sid!r}: int32 mirror differs")
             if n % bs:
                 b = s.table[-1]
                 _require(partial_fill.setdefault(b, n % bs) == n % bs, f"partial block {b} shared at two fills")
