@@ -502,3 +502,32 @@ def test_prefix_statistics_count_prompts_shorter_than_a_block(make):
     assert m.add_sequence("a", [1, 2]) == 0
     u = m.usage()
     assert (u.prefix_query_tokens, u.prefix_hit_tokens) == (2, 0)
+
+
+def test_free_uncached_unpublishes_what_the_sequence_alone_holds(make):
+    """``free(id, cache=False)``: a request aborted before its prefill must not leave hashed blocks
+    without K/V. Its private blocks come back clean and unpublished (one BlockRemoved names them);
+    a block another live sequence still holds keeps its hash and keeps hitting."""
+    m = make(16, 4)
+    m.add_sequence("a", toks(0, 9))  # [0, 1, 2]; blocks 0 and 1 published
+    assert m.add_sequence("b", toks(0, 5)) == 4  # hits block 0; table [0, 3]
+    published = [e for e in m.take_events()]
+    stored_hashes = [h for e in published for h in e.block_hashes]
+    assert len(stored_hashes) == 2
+    m.free("a", cache=False)
+    u = m.usage()
+    assert (u.cached_blocks, u.used_blocks, m.num_free_blocks) == (0, 2, 14)
+    removed = [e for e in m.take_events() if type(e).__name__ == "BlockRemoved"]
+    assert [list(e.block_hashes) for e in removed] == [[stored_hashes[1]]]  # block 1 only
+    assert m.add_sequence("c", toks(0, 9)) == 4  # block 0 (held by b) still hits; block 1 does not
+    assert m.block_table("c") == [0, 1, 2]  # 1 and 2 came back clean: LIFO, recomputed, not hits
+    m.check_invariants()
+
+
+def test_free_uncached_rejects_a_non_bool_and_changes_nothing(make):
+    m = make(8, 4)
+    m.add_sequence("a", toks(0, 9))
+    with pytest.raises(ValueError):
+        m.free("a", cache=0)
+    assert "a" in m and m.num_tokens("a") == 9
+    m.check_invariants()

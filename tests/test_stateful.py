@@ -374,18 +374,27 @@ class ManagerMachine(RuleBasedStateMachine):
         if not self.model:  # nothing live yet: admit something instead
             return self.add(data)
         sid = data.draw(st.sampled_from(self.live()), label="seq")
-        self._free(sid)
+        self._free(sid, cache=data.draw(st.booleans(), label="cache"))
 
-    def _free(self, sid):
+    def _free(self, sid, cache=True):
         table = self.m.block_table(sid)
         freed = sum(1 for b in set(table) if self.m.refcount(b) == table.count(b))
-        free = self.m.num_free_blocks
-        self.m.free(sid)
+        free, cached = self.m.num_free_blocks, self.m.usage().cached_blocks
+        self.m.free(sid, cache=cache)
         assert sid not in self.m
         assert self.m.num_free_blocks == free + freed
         del self.model[sid], self.salt[sid]
         self.freed_ids.append(sid)
-        assert self.m.take_events() == []  # freeing publishes and evicts nothing
+        if cache:
+            assert self.m.take_events() == []  # freeing publishes and evicts nothing
+            return
+        # An uncached free unpublishes what only this sequence held: nothing new is revivable,
+        # and the removals it reports are not evictions.
+        event("free(cache=False)")
+        assert self.m.usage().cached_blocks == cached
+        removed_before = self.n_removed
+        self.drain_events()
+        self.n_removed = removed_before
 
     @rule()
     def reset(self):

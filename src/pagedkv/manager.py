@@ -410,9 +410,20 @@ class KVCacheManager:
         self._seqs[child_id] = _Seq(p.table.copy(), p.tokens[:], p.hashes.copy(), p.root, mirror)
         self._forks += 1
 
-    def free(self, seq_id: Hashable) -> None:
-        """Release every block of the sequence, tail first (so its prefix is evicted last)."""
+    def free(self, seq_id: Hashable, *, cache: bool = True) -> None:
+        """Release every block of the sequence, tail first (so its prefix is evicted last).
+
+        ``cache=False`` is for a sequence whose K/V was never (fully) written, such as a request
+        aborted before its prefill ran: the blocks it alone holds are unpublished and return
+        clean, so no later prompt can hit content that was never computed. Blocks another
+        sequence still holds keep their hashes.
+        """
+        if not isinstance(cache, bool):
+            raise ValueError(f"cache must be a bool, got {cache!r}")
         s = self._seqs.pop(seq_id)
+        if not cache and self._cache is not None:
+            rc, keys = self._rc, self._pool._keys
+            self._cache.unpublish([b for b in s.table if rc[b] == 1 and b in keys])
         self._pool._release_all(reversed(s.table))
 
     # ---- prefix cache ------------------------------------------------------------------------

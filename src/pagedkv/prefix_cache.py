@@ -113,6 +113,15 @@ class PrefixCache:
         self._events.append(BlockRemoved(tuple(self._removed)))
         self._removed = []
 
+    def unpublish(self, blocks: Sequence[int]) -> None:
+        """Forget the hashes of in-use ``blocks`` (their content cannot be trusted); one
+        ``BlockRemoved`` event names them. Once released, the blocks go back clean."""
+        keys = self._pool._keys
+        hashes = [keys.pop(b) for b in blocks]
+        _consume(map(self._map.__delitem__, hashes))
+        if self.events_enabled and hashes:
+            self._removed += hashes
+
     def clear(self) -> None:
         """Forget every hash (the pool must hold no block in use: see the manager's reset)."""
         self._pool.clear_cached()
