@@ -728,3 +728,65 @@ def test_no_copy_after_other_holder_freed():
     assert m.take_copies() == []
     assert m.block_table("b") == [0, 1]
     assert m.usage().cow_copies == 0
+
+
+# ---------------------------------------------------------------- edges found in review
+
+
+def test_bytearray_salt_is_a_bytes_salt_and_other_salts_are_rejected():
+    """A bytearray salt isolates exactly like the equal bytes salt; a list salt is a bad argument
+    (ValueError) and admits nothing."""
+    m = mk(num_blocks=16)
+    m.add_sequence("a", toks(0, 9), cache_salt=b"tenant")
+    assert m.add_sequence("b", toks(0, 9), cache_salt=bytearray(b"tenant")) == 8
+    with pytest.raises(ValueError):
+        m.add_sequence("c", toks(0, 9), cache_salt=["tenant"])
+    assert "c" not in m
+    m.check_invariants()
+
+
+def test_unhashable_sequence_id_is_a_bad_argument():
+    m = mk(num_blocks=8)
+    with pytest.raises(ValueError):
+        m.add_sequence(["a"], toks(0, 3))
+    m.add_sequence("a", toks(0, 3))
+    with pytest.raises(ValueError):
+        m.fork("a", ["b"])
+    assert m.num_sequences == 1 and m.num_free_blocks == 7
+    m.check_invariants()
+
+
+def test_block_tables_pad_must_fit_int32():
+    m = mk(num_blocks=8)
+    m.add_sequence("a", toks(0, 3))
+    with pytest.raises(ValueError):
+        m.block_tables(["a"], pad=2**31)
+    assert m.block_tables(["a"], pad=-(2**31)).tolist() == [[0]]
+
+
+def test_bool_tokens_are_zero_and_one_in_lists_and_arrays():
+    """One rule for bools: 0/1 token ids, whether in a list or a numpy array."""
+    m = mk(num_blocks=8)
+    m.add_sequence("a", [True, False, True])
+    m.append_tokens("a", np.array([True, False]))
+    assert m.tokens("a") == [1, 0, 1, 1, 0]
+
+
+def test_out_of_blocks_pickles_with_its_context():
+    import pickle
+
+    e = OutOfBlocks(3, 1, "admitting 'x'")
+    f = pickle.loads(pickle.dumps(e))
+    assert (f.needed, f.available, str(f)) == (3, 1, str(e))
+
+
+def test_free_drops_pending_copies_into_its_own_blocks():
+    """A copy queued for a sequence that is freed before the engine drained the copies would
+    write into a block that may already belong to someone else: it is dropped with the sequence."""
+    m = mk(num_blocks=8, enable_prefix_caching=False)
+    m.add_sequence("p", toks(0, 6))  # [0, 1]
+    m.fork("p", "c")
+    m.append_token("c", 9)  # CoW: CopyOp(1, 2), c = [0, 2]
+    m.free("c")
+    assert m.take_copies() == []
+    m.check_invariants()

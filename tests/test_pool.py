@@ -480,3 +480,21 @@ def test_numpy_integer_block_ids():
     assert counts(p) == (4, 3, 1, 0)
     p.revive(table[1])
     p.check_invariants()
+
+
+def test_a_raising_eviction_callback_fails_the_allocation_and_keeps_the_pool_consistent():
+    """The owner's callback is foreign code: if it raises, the allocation is undone (the evicted
+    blocks come back clean, their keys gone) and the pool's invariants still hold."""
+
+    def boom(block, key):
+        raise RuntimeError("owner failed")
+
+    p = BlockPool(2, on_evict=boom)
+    a, b = p.allocate(2)
+    p.set_key(a, "ka")
+    p.release_all([a, b])  # a cached-free, b clean
+    with pytest.raises(RuntimeError):
+        p.allocate(2)  # takes b (clean), must evict a
+    p.check_invariants()
+    assert (p.num_free, p.num_clean, p.num_cached, p.num_used) == (2, 2, 0, 0)
+    assert p.key(a) is None and p.evictions == 1

@@ -77,6 +77,10 @@ class BlockHasher:
 
     def root(self, salt: Any = None) -> Hashable:
         """The parent hash of a prompt's first block, a function of the salt alone."""
+        if isinstance(salt, bytearray):
+            salt = bytes(salt)
+        elif salt is not None and not isinstance(salt, (str, bytes)):
+            raise ValueError(f"cache_salt must be None, str or bytes, got {type(salt).__name__}")
         key = (type(salt), salt) if salt is not None else None
         r = self._roots.get(key)
         if r is None:

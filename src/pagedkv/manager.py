@@ -198,7 +198,7 @@ class KVCacheManager:
         Full prompt blocks are published at once. Example (block size 16, a 40-token prompt
         whose first 32 tokens are cached): returns 32; the table is [hit, hit, new].
         """
-        if seq_id in self._seqs:
+        if _known(self._seqs, seq_id):
             raise ValueError(f"sequence {seq_id!r} already exists")
         tokens = _token_array(prompt_ids)
         n, bs = len(tokens), self._bs
@@ -400,7 +400,7 @@ class KVCacheManager:
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """The child shares every block of the parent: O(blocks), no allocation, no copy."""
         p = self._seqs[parent_id]
-        if child_id in self._seqs:
+        if _known(self._seqs, child_id):
             raise ValueError(f"sequence {child_id!r} already exists")
         rc = self._rc
         for b in p.table:
@@ -421,6 +421,9 @@ class KVCacheManager:
         if not isinstance(cache, bool):
             raise ValueError(f"cache must be a bool, got {cache!r}")
         s = self._seqs.pop(seq_id)
+        if self._copies:  # a copy into a block of this sequence has nothing left to serve
+            mine = {b for b in s.table if self._rc[b] == 1}
+            self._copies = [c for c in self._copies if c.dst not in mine]
         if not cache and self._cache is not None:
             rc, keys = self._rc, self._pool._keys
             self._cache.unpublish([b for b in s.table if rc[b] == 1 and b in keys])
@@ -450,6 +453,8 @@ class KVCacheManager:
         """
         ss = [self._seqs[i] for i in seq_ids]
         pad = as_int(pad, "pad")
+        if not -(2**31) <= pad < 2**31:
+            raise ValueError(f"pad must fit in int32, got {pad}")
         width = max((len(s.table) for s in ss), default=0)
         out = np.full((len(ss), width), pad, dtype=np.int32)
         for row, s in zip(out, ss):
@@ -574,7 +579,7 @@ def _token_array(token_ids: Any) -> array:
         except (TypeError, OverflowError) as exc:
             raise ValueError(f"token ids must be integers in [0, {MAX_TOKEN_ID}]: {exc}") from None
     if isinstance(token_ids, np.ndarray):
-        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
+        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iub":  # bools are 0/1, as in lists
             raise ValueError(f"token ids must be a 1-D integer array, got {token_ids.dtype} {token_ids.shape}")
         out = array("I")
         if token_ids.size:
@@ -596,6 +601,14 @@ def _le_bytes_swapped(tokens: array) -> bytes:  # pragma: no cover - no big-endi
 # The tokens' bytes as little-endian uint32, the form every hash is computed over: on a
 # little-endian machine that is the array's own memory, and the C method is called directly.
 _le_bytes = _le_bytes_swapped if _BIG_ENDIAN else array.tobytes
+
+
+def _known(seqs: dict, seq_id: Any) -> bool:
+    """Whether a new id is taken; an id that cannot be a dict key is a bad argument."""
+    try:
+        return seq_id in seqs
+    except TypeError:
+        raise ValueError(f"sequence ids must be hashable, got {type(seq_id).__name__}") from None
 
 
 def _as_token(token: Any) -> int:

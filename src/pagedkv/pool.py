@@ -39,7 +39,8 @@ EvictCallback = Callable[[int, Hashable], None]
 class BlockPool:
     """Physical block ids with refcounts, a LIFO clean stack and an LRU of cached-free blocks."""
 
-    __slots__ = ("_num_blocks", "_rc", "_clean", "_fresh", "_lru", "_keys", "on_evict", "on_evict_many", "evictions")
+    __slots__ = ("_num_blocks", "_rc", "_clean", "_fresh", "_lru", "_keys", "_evicted_keys",
+                 "on_evict", "on_evict_many", "evictions")
 
     def __init__(
         self,
@@ -58,6 +59,7 @@ class BlockPool:
         self._fresh = 0  # blocks [_fresh, num_blocks) were never handed out
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached-free, least recently freed first
         self._keys: dict[int, Hashable] = {}  # block -> key, for in-use and cached-free blocks
+        self._evicted_keys: list = []  # keys of blocks evicted by the allocation under way
         # Told of evictions: on_evict(block, key) once per block, or, when set instead,
         # on_evict_many(blocks, keys) once per allocation (one admission can evict 50 blocks).
         self.on_evict = on_evict
@@ -134,8 +136,12 @@ class BlockPool:
             out.extend(range(self._fresh, self._fresh + m))
             self._fresh += m
             if n > m:
-                out += self._evict_oldest_n(n - m)
-        _consume(map(self._rc.__setitem__, out, repeat(1)))  # rc = 1 for each, at C speed
+                evicted = self._evict_oldest_n(n - m)
+                out += evicted
+                _consume(map(self._rc.__setitem__, out, repeat(1)))  # rc = 1 each, at C speed
+                self._notify(out, evicted)
+                return out
+        _consume(map(self._rc.__setitem__, out, repeat(1)))
         return out
 
     def _take_one(self) -> int:
@@ -147,35 +153,44 @@ class BlockPool:
             b = self._fresh
             self._fresh = b + 1
         elif self._lru:
-            b = self._evict_oldest()
+            b = self._evict_oldest_n(1)[0]
+            self._rc[b] = 1
+            self._notify([b], [b])
+            return b
         else:
             raise OutOfBlocks(1, 0)
         self._rc[b] = 1
         return b
 
     def _evict_oldest_n(self, n: int) -> list[int]:
-        """Evict the ``n`` least recently freed cached blocks (an admission may need 50)."""
+        """Evict the ``n`` least recently freed cached blocks (an admission may need 50).
+
+        Their keys move to ``_evicted_keys`` until :meth:`_notify` tells the owner.
+        """
         lru = self._lru
         out = list(islice(lru, n))  # the n oldest, then drop them: two C-level passes
         _consume(map(lru.__delitem__, out))
-        keys = list(map(self._keys.pop, out))
+        self._evicted_keys = list(map(self._keys.pop, out))
         self.evictions += n
-        self._notify(out, keys)
         return out
 
-    def _notify(self, blocks: list, keys: list) -> None:
-        if self.on_evict_many is not None:
-            self.on_evict_many(blocks, keys)
-        elif self.on_evict is not None:
-            for b, k in zip(blocks, keys):
-                self.on_evict(b, k)
+    def _notify(self, taken: list, evicted: list) -> None:
+        """Tell the owner which blocks were evicted, once the allocation is complete.
 
-    def _evict_oldest(self) -> int:
-        b, _ = self._lru.popitem(last=False)
-        key = self._keys.pop(b)
-        self.evictions += 1
-        self._notify([b], [key])
-        return b
+        Should the callback raise, the allocation is undone (every taken block goes back clean:
+        the evicted ones have lost their keys either way) and the error propagates, so the pool
+        stays consistent whatever the owner's code does.
+        """
+        keys, self._evicted_keys = self._evicted_keys, []
+        try:
+            if self.on_evict_many is not None:
+                self.on_evict_many(evicted, keys)
+            elif self.on_evict is not None:
+                for b, k in zip(evicted, keys):
+                    self.on_evict(b, k)
+        except BaseException:
+            self._release_all(reversed(taken))
+            raise
 
     # ---- references --------------------------------------------------------------------------
 

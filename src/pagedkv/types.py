@@ -30,11 +30,12 @@ class OutOfBlocks(RuntimeError):
     def __init__(self, needed: int, available: int, what: str = "") -> None:
         self.needed = needed
         self.available = available
+        self.what = what
         where = f" for {what}" if what else ""
         super().__init__(f"out of KV blocks{where}: needed {needed}, available {available}")
 
     def __reduce__(self):  # keep the fields when pickled (multiprocessing engines)
-        return (type(self), (self.needed, self.available))
+        return (type(self), (self.needed, self.available, self.what))
 
 
 class CopyOp(NamedTuple):
