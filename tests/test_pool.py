@@ -498,3 +498,19 @@ def test_a_raising_eviction_callback_fails_the_allocation_and_keeps_the_pool_con
     p.check_invariants()
     assert (p.num_free, p.num_clean, p.num_cached, p.num_used) == (2, 2, 0, 0)
     assert p.key(a) is None and p.evictions == 1
+
+
+def test_a_raising_callback_on_a_single_eviction_also_leaves_the_pool_consistent():
+    """The one-block path (a decode step taking the last cached block) undoes the same way."""
+
+    def boom(block, key):
+        raise RuntimeError("owner failed")
+
+    p = BlockPool(1, on_evict=boom)
+    (a,) = p.allocate(1)
+    p.set_key(a, "ka")
+    p.release(a)
+    with pytest.raises(RuntimeError):
+        p._take_one()
+    p.check_invariants()
+    assert (p.num_free, p.num_clean, p.num_cached) == (1, 1, 0)

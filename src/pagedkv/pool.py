@@ -153,10 +153,7 @@ class BlockPool:
             b = self._fresh
             self._fresh = b + 1
         elif self._lru:
-            b = self._evict_oldest_n(1)[0]
-            self._rc[b] = 1
-            self._notify([b], [b])
-            return b
+            return self._evict_one()
         else:
             raise OutOfBlocks(1, 0)
         self._rc[b] = 1
@@ -173,6 +170,22 @@ class BlockPool:
         self._evicted_keys = list(map(self._keys.pop, out))
         self.evictions += n
         return out
+
+    def _evict_one(self) -> int:
+        """``_take_one`` when only a cached block is left: evict the oldest, tell the owner."""
+        b, _ = self._lru.popitem(last=False)
+        key = self._keys.pop(b)
+        self.evictions += 1
+        self._rc[b] = 1
+        try:
+            if self.on_evict_many is not None:
+                self.on_evict_many((b,), (key,))
+            elif self.on_evict is not None:
+                self.on_evict(b, key)
+        except BaseException:  # as in _notify: undo the allocation, keep the pool consistent
+            self._release_all((b,))
+            raise
+        return b
 
     def _notify(self, taken: list, evicted: list) -> None:
         """Tell the owner which blocks were evicted, once the allocation is complete.

@@ -106,7 +106,7 @@ class PrefixCache:
     def _on_evict_many(self, blocks: list, keys: list) -> None:
         _consume(map(self._map.__delitem__, keys))  # the map and the pool's keys: one bijection
         if self.events_enabled:
-            self._removed += keys
+            self._removed.extend(keys)
 
     def _flush_removed(self) -> None:
         """Fold the evictions since the last event into one BlockRemoved, keeping event order."""
