@@ -131,14 +131,3 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"pagedkv simulate: error: {e}", file=sys.stderr)
         return 2
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run as ``python -m pagedkv.commands.simulate``."""
-    p = argparse.ArgumentParser(prog="pagedkv simulate", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -122,14 +122,3 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"pagedkv size: error: {e}", file=sys.stderr)
         return 2
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run as ``python -m pagedkv.commands.size`` (the CLI normally dispatches here)."""
-    p = argparse.ArgumentParser(prog="pagedkv size", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
