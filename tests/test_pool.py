@@ -511,6 +511,6 @@ def test_a_raising_callback_on_a_single_eviction_also_leaves_the_pool_consistent
     p.set_key(a, "ka")
     p.release(a)
     with pytest.raises(RuntimeError):
-        p._take_one()
+        p.allocate_one()
     p.check_invariants()
     assert (p.num_free, p.num_clean, p.num_cached) == (1, 1, 0)

@@ -11,8 +11,14 @@ Three algorithms, one interface:
 * ``sha256`` (default): stable across processes and machines, collision-resistant; a router in
   another process can index our events. About 0.5 µs per 16-token block here.
 * ``xxh3``: xxh3-128, several times faster, stable across processes; needs the ``xxhash`` extra.
-* ``builtin``: Python's own ``hash`` of (parent, bytes): fastest, but randomised per process
-  (``PYTHONHASHSEED``), so hashes must never leave the process.
+* ``builtin``: Python's own ``hash`` of (parent, secret + bytes): fastest, and keyed with a
+  secret drawn once per process. CPython's bytes hash is SipHash under the interpreter's hash
+  key, and that key is public when ``PYTHONHASHSEED`` is fixed (0 is common in reproducible
+  deployments): two different token blocks whose plain ``hash`` collides can then be found
+  offline in minutes, and one tenant's prompt would be served another's KV. With 16 unknown
+  bytes in front of every block's bytes the hash values cannot be predicted, so collisions
+  cannot be searched for; the cost is one 80-byte concatenation a block (see ``pagedkv bench``).
+  Hashes are therefore never stable across processes, even with ``PYTHONHASHSEED`` fixed.
 
 Tokens are hashed as little-endian uint32 (``array('I')``), 4 bytes a token: 64 bytes for a
 16-token block, plus the 32-byte parent digest for sha256.
@@ -20,6 +26,7 @@ Tokens are hashed as little-endian uint32 (``array('I')``), 4 bytes a token: 64 
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 from array import array
 from typing import Any, Callable, Hashable, Sequence
@@ -29,6 +36,9 @@ __all__ = ["ALGORITHMS", "BlockHasher", "token_bytes", "MAX_TOKEN_ID"]
 ALGORITHMS = ("sha256", "xxh3", "builtin")
 MAX_TOKEN_ID = 2**32 - 1  # token ids are stored as uint32 (every engine's vocabulary fits)
 _BIG_ENDIAN = sys.byteorder == "big"
+# The builtin algorithm's key: drawn once per process, so that a manager unpickled in the same
+# process keeps computing the same hashes.
+_PROCESS_SECRET = os.urandom(16)
 
 try:  # OpenSSL's constructor itself: skips hashlib's Python-level wrapper, ~70 ns a block
     from _hashlib import openssl_sha256 as _sha256
@@ -67,6 +77,9 @@ class BlockHasher:
     """
 
     __slots__ = ("name", "digest", "_roots")
+
+    def __reduce__(self):  # the digest is a closure: rebuild it from the algorithm's name
+        return (type(self), (self.name,))
 
     def __init__(self, algo: str = "sha256") -> None:
         if algo not in ALGORITHMS:
@@ -110,7 +123,8 @@ class BlockHasher:
 
             xxh = xxhash.xxh3_128_digest
             return [p := xxh(p + data[i : i + block_bytes]) for i in stops]
-        return [p := hash((p, data[i : i + block_bytes])) for i in stops]
+        key = _PROCESS_SECRET
+        return [p := hash((p, key + data[i : i + block_bytes])) for i in stops]
 
 
 def _make_digest(algo: str) -> Callable[[Any, bytes], Hashable]:
@@ -135,7 +149,9 @@ def _make_digest(algo: str) -> Callable[[Any, bytes], Hashable]:
 
         return digest
 
+    key = _PROCESS_SECRET
+
     def digest(parent, data):
-        return hash((parent, data))
+        return hash((parent, key + data))
 
     return digest

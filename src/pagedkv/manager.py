@@ -2,10 +2,12 @@
 
 This is the only layer that knows what a sequence is. Per sequence it keeps the block table
 (logical block i -> physical block id, plus an int32 mirror that the kernel exports slice), the
-token ids, the chained hashes of its full blocks (when prefix caching is on), and the slot its
-next token takes when no decision is needed (the decode fast path). Everything physical (refcounts, free list, eviction)
-belongs to :class:`~pagedkv.pool.BlockPool`; everything about hashes to
-:class:`~pagedkv.prefix_cache.PrefixCache`.
+token ids, the chained hashes of its full blocks (when prefix caching is on), how much of its
+prompt is still unscheduled (chunked prefill), how many draft tokens are pending (speculative
+decoding), and the slot its next token takes when no decision is needed (the decode fast path).
+Everything physical (refcounts, free list, eviction) belongs to :class:`~pagedkv.pool.BlockPool`;
+the hash -> block map and the events to :class:`~pagedkv.prefix_cache.PrefixCache`. The manager
+uses only their public methods.
 
 The life of a decode step, with block size 16::
 
@@ -26,6 +28,7 @@ import operator
 import sys
 from array import array
 from collections import Counter
+from collections.abc import Sequence as SequenceABC
 from itertools import chain
 from operator import itemgetter
 from typing import Any, Hashable, Iterable, Sequence
@@ -33,40 +36,56 @@ from typing import Any, Hashable, Iterable, Sequence
 import numpy as np
 
 from .hashing import MAX_TOKEN_ID, BlockHasher
-from .pool import BlockPool, as_int
+from .pool import MAX_BLOCKS, BlockPool, as_int
 from .prefix_cache import PrefixCache
 from .types import CopyOp, OutOfBlocks, Usage
 
 __all__ = ["KVCacheManager"]
 
 _BIG_ENDIAN = sys.byteorder == "big"
+MAX_BLOCK_SIZE = 2**31 - 1  # FlashInfer's last_page_len and every slot stay int32/int64-exact
 
 
 class _Seq:
     """One sequence's state: its block table, its tokens, its full blocks' chained hashes.
 
     Tokens are an ``array('I')``: 4 bytes a token instead of a list's 8-byte pointer to a 28-byte
-    int; forking a 2,048-token sequence copies 8 KiB in 0.15 µs rather than a list in 2 µs; and
-    a just-filled block's bytes for hashing are one slice away.
+    int; forking a 2,048-token sequence copies 8 KiB rather than a list of 2,048 pointers; and a
+    just-filled block's bytes for hashing are one slice away.
+
+    Positions: ``tokens`` holds every token the sequence knows (the whole prompt from admission
+    on, appended tokens, pending drafts). The first ``len(tokens) - unscheduled`` positions are
+    scheduled for compute and covered by ``table``; the last ``drafts`` of them are speculative.
+    Both counters are 0 for a sequence in the plain decode loop, and the decode path never
+    touches them. ``hashes`` holds the chained hashes of every full block of the non-draft
+    tokens (for a prompt mid-prefill, also of blocks not yet scheduled: they are published as
+    chunks schedule them).
     """
 
-    __slots__ = ("table", "tokens", "hashes", "root", "mirror", "nxt")
+    __slots__ = ("table", "tokens", "hashes", "root", "mirror", "nxt", "unscheduled", "drafts")
 
-    def __init__(
-        self, table: list, tokens: array, hashes: list, root: Hashable, mirror=None, nxt: int = -1
-    ) -> None:
+    def __init__(self, table: list, tokens: array, hashes: list, root: Hashable, mirror=None,
+                 nxt: int = -1, unscheduled: int = 0) -> None:
         self.table = table
         self.tokens = tokens
         self.hashes = hashes
         self.root = root
         # The table as int32 with spare capacity, which the kernel exports slice. Built on the
-        # first export (many sequences never need one: 3 µs saved per admission), then kept.
+        # first export (many sequences never need one), then kept.
         self.mirror = mirror
         # The slot the next token takes when that needs no decision: the last block is partial
         # and this sequence is its only holder. -1 sends the append down the slow path (full
-        # last block, or a fork may have shared it). Only fork shares a partial block, and fork
-        # resets it on both sides, so the fast path never writes into a shared block.
+        # last block, a fork may have shared it, or the sequence is mid-prefill or holds
+        # drafts). Only fork shares a partial block, and fork resets it on both sides, so the
+        # fast path never writes into a shared block.
         self.nxt = nxt
+        self.unscheduled = unscheduled
+        self.drafts = 0
+
+    @property
+    def computed(self) -> int:
+        """Positions scheduled for compute (hits, prefilled chunks, appended tokens, drafts)."""
+        return len(self.tokens) - self.unscheduled
 
     def add_block(self, b: int) -> None:
         """Append a block to the table and its int32 mirror, if built (grown by doubling)."""
@@ -77,6 +96,13 @@ class _Seq:
             if n == len(mirror):
                 self.mirror = mirror = np.concatenate([mirror, np.empty(n, dtype=np.int32)])
             mirror[n] = b
+
+    def add_blocks(self, blocks: list) -> None:
+        if self.mirror is None:
+            self.table += blocks
+        else:
+            for b in blocks:
+                self.add_block(b)
 
     def set_last(self, b: int) -> None:
         self.table[-1] = b
@@ -93,16 +119,38 @@ class _Seq:
 
 
 class KVCacheManager:
-    """The block allocator of a paged KV cache (see DESIGN.md for the full contract).
+    """The block allocator of a paged KV cache.
 
     Args:
-        num_blocks: physical blocks in the KV store.
+        num_blocks: physical blocks in the KV store (at most 2**31 - 1: block ids are int32).
         block_size: token slots per block (16 is the field's default).
         enable_prefix_caching: share full blocks by content hash and keep freed ones revivable.
-        hash_algo: ``"sha256"`` (default, stable), ``"xxh3"`` (fast, needs xxhash),
-            ``"builtin"`` (fastest, per-process).
+        hash_algo: ``"sha256"`` (default, stable across processes), ``"xxh3"`` (fast, stable,
+            needs xxhash), ``"builtin"`` (fastest, keyed per process).
         enable_events: record KV cache events for ``take_events()``. An engine that never
             drains them should turn this off, or they accumulate.
+
+    The engine's loop, and the rules it follows:
+
+    * **Admit** with ``add_sequence(id, prompt)`` (returns the prompt tokens served by the
+      prefix cache) and compute K/V for ``slots(id, hit)``; or admit one chunk at a time with
+      ``add_sequence(id, prompt, prefill=k)`` and ``prefill(id, n)`` (chunked prefill).
+      ``lookup(prompt)`` asks how much would hit, changing nothing.
+    * **Decode** with ``append_batch(ids, tokens)`` (one slot per sequence), then
+      ``take_copies()`` and run those block copies (all layers, as one batch) **before** the
+      step's K/V writes: a copy-on-write destination holds nothing until its source is copied.
+    * **Fork between steps**: ``fork`` after the step's K/V writes. Forking a sequence whose
+      newest token has no K/V yet shares (and may later copy) slots that were never written.
+    * **Speculate** with ``append_tokens(id, drafts, speculative=True)`` and settle with
+      ``accept(id, k)``: drafts are never published; rejected ones return their blocks.
+    * **Free** with ``free(id)``; ``free(id, cache=False)`` for a sequence dropped after it was
+      scheduled but before its K/V was computed (nothing it alone holds stays findable).
+    * **Out of blocks**: every allocating call raises ``OutOfBlocks(needed, available)`` and
+      changes nothing; preempt and call again.
+
+    A manager is **not thread-safe**: one engine thread calls it (two threads appending to
+    different sequences can hand one block to two tables). It pickles to an equal state
+    (``builtin`` hashes stay valid only within the process that computed them).
     """
 
     def __init__(
@@ -114,20 +162,44 @@ class KVCacheManager:
         enable_events: bool = True,
     ) -> None:
         block_size = as_int(block_size, "block_size")
-        if block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(
+                f"block_size must be an int in [1, {MAX_BLOCK_SIZE}] (page lengths are exported "
+                f"as int32), got {block_size!r}"
+            )
+        num_blocks = as_int(num_blocks, "num_blocks")
+        if not 1 <= num_blocks <= MAX_BLOCKS:
+            raise ValueError(
+                f"num_blocks must be an int in [1, {MAX_BLOCKS}] (block ids are exported as "
+                f"int32), got {num_blocks!r}"
+            )
         if not isinstance(enable_prefix_caching, bool) or not isinstance(enable_events, bool):
             raise ValueError("enable_prefix_caching and enable_events must be bools")
         self._hasher = BlockHasher(hash_algo)
         self._digest = self._hasher.digest
-        self._pool = BlockPool(num_blocks)
+        # The manager passes the pool only blocks it was handed, so batch calls skip re-checking
+        # ids; the tables' consistency is what check_invariants() proves.
+        self._pool = BlockPool(num_blocks, check_args=False)
         self._cache = PrefixCache(self._pool, enable_events) if enable_prefix_caching else None
         self._bs = block_size
-        self._rc = self._pool._rc  # the hot paths read refcounts directly
+        self._offsets = np.arange(block_size, dtype=np.int64)
         self._seqs: dict[Hashable, _Seq] = {}
+        self._unready = 0  # sequences mid-prefill or holding drafts: only they need checks
+        # Pending copies, and two indexes over them that keep the list batch-safe.
         self._copies: list[CopyOp] = []
+        self._copy_dst: dict[int, int] = {}  # destination -> its source
+        self._copy_src: dict[int, int] = {}  # source -> how many pending copies read it
         self._cow_copies = 0
         self._forks = 0
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        del state["_digest"]  # a closure; rebuilt from the hasher
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._digest = self._hasher.digest
 
     # ---- properties and lookups --------------------------------------------------------------
 
@@ -157,46 +229,110 @@ class KVCacheManager:
         return len(self._seqs)
 
     def __contains__(self, seq_id: Hashable) -> bool:
-        return seq_id in self._seqs
+        try:
+            return seq_id in self._seqs
+        except TypeError:  # an unhashable id is never a sequence
+            return False
 
     def seq_ids(self) -> list:
         return list(self._seqs)
 
     def block_table(self, seq_id: Hashable) -> list[int]:
-        return list(self._seqs[seq_id].table)
+        """Physical block ids of the sequence's scheduled positions, logical order."""
+        return list(self._seq(seq_id).table)
 
     def num_tokens(self, seq_id: Hashable) -> int:
-        return len(self._seqs[seq_id].tokens)
+        """Every token the sequence knows: the whole prompt, appended tokens, pending drafts."""
+        return len(self._seq(seq_id).tokens)
+
+    def num_computed(self, seq_id: Hashable) -> int:
+        """Positions scheduled for compute so far: prefix hits, prefilled chunks, appended
+        tokens and pending drafts. Equals ``num_tokens`` once the prompt is fully scheduled."""
+        return self._seq(seq_id).computed
+
+    def num_drafts(self, seq_id: Hashable) -> int:
+        """Speculative tokens appended and not yet settled by ``accept``."""
+        return self._seq(seq_id).drafts
 
     def tokens(self, seq_id: Hashable) -> list[int]:
-        return self._seqs[seq_id].tokens.tolist()
+        return self._seq(seq_id).tokens.tolist()
 
     def refcount(self, block_id: int) -> int:
         return self._pool.refcount(block_id)
 
     def slots(self, seq_id: Hashable, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Physical slots of positions ``start..stop`` (default: all): where a prefill writes.
+        """Physical slots (``np.int64``) of positions ``start..stop``, where a prefill writes.
 
-        After ``hit = add_sequence(...)``, the engine computes KV for ``slots(id, hit)``.
+        ``stop`` defaults to ``num_computed(id)``, the last scheduled position: after
+        ``hit = add_sequence(...)`` the engine computes K/V for ``slots(id, hit)``.
         """
-        s = self._seqs[seq_id]
-        n = len(s.tokens)
-        stop = n if stop is None else stop
-        if not (type(start) is int and type(stop) is int and 0 <= start <= stop <= n):
-            raise ValueError(f"need 0 <= start <= stop <= {n}, got {start}, {stop}")
-        pos = np.arange(start, stop, dtype=np.int64)
-        table = np.asarray(s.table, dtype=np.int64)
-        return table[pos // self._bs] * self._bs + pos % self._bs
+        s = self._seq(seq_id)
+        n = s.computed
+        start = as_int(start, "start")
+        stop = n if stop is None else as_int(stop, "stop")
+        if not 0 <= start <= stop <= n:
+            raise ValueError(f"need 0 <= start <= stop <= {n} (scheduled positions), got {start}, {stop}")
+        return self._slots(s, start, stop)
+
+    def _slots(self, s: _Seq, start: int, stop: int) -> np.ndarray:
+        """Slots of positions ``start..stop`` (validated): whole blocks' slot rows, trimmed."""
+        if start == stop:
+            return np.empty(0, dtype=np.int64)
+        bs = self._bs
+        first, last = start // bs, (stop - 1) // bs
+        blocks = np.asarray(s.table[first : last + 1], dtype=np.int64)
+        rows = (blocks[:, None] * bs + self._offsets).ravel()
+        lo = start - first * bs
+        return rows[lo : lo + stop - start]
+
+    def _seq_list(self, seq_ids: Iterable[Hashable]) -> list[_Seq]:
+        seqs = self._seqs
+        try:
+            return [seqs[i] for i in seq_ids]
+        except TypeError:
+            raise ValueError("sequence ids must be hashable") from None
+
+    def _seq(self, seq_id: Hashable) -> _Seq:
+        try:
+            return self._seqs[seq_id]
+        except TypeError:
+            raise ValueError(f"sequence ids must be hashable, got {type(seq_id).__name__}") from None
 
     # ---- admission ---------------------------------------------------------------------------
 
-    def add_sequence(self, seq_id: Hashable, prompt_ids: Sequence[int], cache_salt: Any = None) -> int:
+    def lookup(self, prompt_ids: Sequence[int], cache_salt: Any = None) -> int:
+        """How many prompt tokens ``add_sequence`` would serve from the cache now.
+
+        Side-effect free: no LRU order, statistics or events change. A scheduler asks this to
+        budget a step before it admits (vLLM's ``get_computed_blocks``). Example (block size
+        16): a 40-token prompt whose first 32 tokens are cached -> 32.
+        """
+        tokens = _token_array(prompt_ids)
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("the prompt must have at least one token")
+        root = self._hasher.root(cache_salt)  # validates the salt either way
+        if self._cache is None:
+            return 0
+        bs = self._bs
+        limit = (n - 1) // bs
+        hashes = self._hasher.chain(root, _le_bytes(tokens[: limit * bs]), 4 * bs, limit)
+        return len(self._cache.longest_prefix(hashes, limit)) * bs
+
+    def add_sequence(self, seq_id: Hashable, prompt_ids: Sequence[int], cache_salt: Any = None,
+                     prefill: int | None = None) -> int:
         """Admit a sequence with its prompt; returns how many prompt tokens the cache served.
 
-        Blocks for the whole prompt are taken: the longest run of cached full blocks from the
-        start (never the whole prompt: the last token is always computed), then fresh blocks.
-        Full prompt blocks are published at once. Example (block size 16, a 40-token prompt
-        whose first 32 tokens are cached): returns 32; the table is [hit, hit, new].
+        The longest run of cached full blocks from the start is shared (never the whole prompt:
+        the last token is always computed). ``prefill=None`` schedules the whole prompt: blocks
+        for every position are taken and its full blocks published at once. ``prefill=k``
+        schedules only the first ``k`` uncached positions (clipped to the rest; 0 admits with
+        the hit blocks alone); ``prefill(id, n)`` schedules the next chunks. A block is published
+        once every one of its positions is scheduled.
+
+        Example (block size 16, a 40-token prompt whose first 32 tokens are cached): returns 32;
+        the table is [hit, hit, new]. With ``prefill=0`` the table is [hit, hit] and
+        ``num_computed`` is 32.
         """
         if _known(self._seqs, seq_id):
             raise ValueError(f"sequence {seq_id!r} already exists")
@@ -204,37 +340,71 @@ class KVCacheManager:
         n, bs = len(tokens), self._bs
         if n == 0:
             raise ValueError("the prompt must have at least one token")
+        if prefill is not None:
+            prefill = _count(prefill, "prefill")
         cache = self._cache
         hashes: list = []
         hits: list[int] = []
-        root = None
+        root = self._hasher.root(cache_salt)  # validates the salt, cached or not
         if cache is not None:
-            root = self._hasher.root(cache_salt)
             hashes = self._hasher.chain(root, _le_bytes(tokens), 4 * bs, n // bs)
             hits = cache.longest_prefix(hashes, (n - 1) // bs)
-        elif cache_salt is not None:
-            self._hasher.root(cache_salt)  # validates the salt's type all the same
-        need = -(-n // bs) - len(hits)
-        rc = self._rc
-        revivals = 0
-        for b in hits:
-            if not rc[b]:
-                revivals += 1
-        available = self._pool.num_free - revivals
-        if need > available:
-            raise OutOfBlocks(need, available, f"admitting {seq_id!r}")
-        self._pool._acquire_all(hits)
-        table = hits + self._pool._take(need)
+        hit = len(hits) * bs
+        computed = n if prefill is None else hit + min(prefill, n - hit)
+        need = -(-computed // bs) - len(hits)
+        try:
+            table = hits + self._pool.allocate(need, acquire=hits)
+        except OutOfBlocks as e:
+            raise OutOfBlocks(e.needed, e.available, f"admitting {seq_id!r}") from None
+        s = _Seq(table, tokens, hashes, root, unscheduled=n - computed)
         if cache is not None:
-            k, nfull = len(hits), len(hashes)
-            if nfull > k:
-                parent = hashes[k - 1] if k else root
-                cache.publish(table[k:nfull], hashes[k:nfull], parent, tokens[k * bs : nfull * bs], bs)
-            cache.query_tokens += n
-            cache.hit_tokens += k * bs
-        nxt = table[-1] * bs + n % bs if n % bs else -1  # the last block is fresh: private
-        self._seqs[seq_id] = _Seq(table, tokens, hashes, root, nxt=nxt)
-        return len(hits) * bs
+            self._publish_run(s, len(hits), computed // bs)
+            cache.record_query(n, hit)
+        if s.unscheduled:
+            self._unready += 1
+        elif n % bs:
+            s.nxt = table[-1] * bs + n % bs  # the last block is fresh: private
+        self._seqs[seq_id] = s
+        return hit
+
+    def prefill(self, seq_id: Hashable, n: int) -> np.ndarray:
+        """Schedule the next ``n`` prompt positions (a chunk); returns their slots (np.int64).
+
+        Takes the blocks the chunk needs (atomic: OutOfBlocks changes nothing) and publishes
+        each block the chunk completes. ``n`` may not exceed the unscheduled rest of the
+        prompt; ``n = 0`` returns an empty array.
+        """
+        s = self._seq(seq_id)
+        n = _count(n, "n")
+        rest = s.unscheduled
+        if n > rest:
+            raise ValueError(f"prefill of {n} positions, but {rest} of the prompt are unscheduled")
+        if not n:
+            return np.empty(0, dtype=np.int64)
+        bs = self._bs
+        start = len(s.tokens) - rest
+        stop = start + n
+        need = -(-stop // bs) - len(s.table)
+        try:
+            s.add_blocks(self._pool.allocate(need))
+        except OutOfBlocks as e:
+            raise OutOfBlocks(e.needed, e.available, f"prefilling {seq_id!r}") from None
+        s.unscheduled = rest - n
+        if self._cache is not None:
+            self._publish_run(s, start // bs, stop // bs)
+        if not s.unscheduled:
+            self._unready -= 1
+            if stop % bs:
+                s.nxt = s.table[-1] * bs + stop % bs  # fresh for this sequence: private
+        return self._slots(s, start, stop)
+
+    def _publish_run(self, s: _Seq, first: int, stop: int) -> None:
+        """Offer the sequence's full blocks ``first..stop`` (chained) to the prefix cache."""
+        if stop > first:
+            bs = self._bs
+            parent = s.hashes[first - 1] if first else s.root
+            self._cache.publish(s.table[first:stop], s.hashes[first:stop], parent,
+                                s.tokens[first * bs : stop * bs], bs)
 
     # ---- appends -----------------------------------------------------------------------------
 
@@ -244,34 +414,102 @@ class KVCacheManager:
         A full last block gets a fresh block after it; a partial last block shared with another
         sequence is copied first (copy-on-write, queued for ``take_copies``).
         """
-        s = self._seqs[seq_id]
+        try:
+            s = self._seqs[seq_id]
+        except TypeError:
+            raise ValueError(f"sequence ids must be hashable, got {type(seq_id).__name__}") from None
         if type(token_id) is not int:
             token_id = _as_token(token_id)
         if token_id < 0 or token_id > MAX_TOKEN_ID:
             raise ValueError(f"token id {token_id} outside [0, {MAX_TOKEN_ID}]")
-        return self._append(s, token_id)
+        slot = s.nxt  # _append, inlined: this is the per-token path
+        if slot < 0:
+            if s.unscheduled or s.drafts:  # such sequences never have a fast-path slot
+                raise ValueError(self._not_ready(seq_id, s, "append to"))
+            slot = self._slot_slow(s)
+        s.tokens.append(token_id)
+        nxt = slot + 1
+        if nxt % self._bs:
+            s.nxt = nxt
+        else:
+            s.nxt = -1
+            if self._cache is not None:
+                self._publish_filled((s,))
+        return slot
 
-    def append_tokens(self, seq_id: Hashable, token_ids: Sequence[int]) -> list[int]:
-        """Append several tokens (chunked prefill, speculative tokens); all or nothing."""
-        s = self._seqs[seq_id]
+    def append_tokens(self, seq_id: Hashable, token_ids: Sequence[int], speculative: bool = False) -> list[int]:
+        """Append several tokens; returns their slots. All or nothing.
+
+        ``speculative=True`` appends draft tokens: they get slots and blocks (and copy-on-write)
+        like any token, but no block they fill is published until ``accept`` keeps them. More
+        drafts may follow while drafts are pending.
+        """
+        s = self._seq(seq_id)
+        if not isinstance(speculative, (bool, np.bool_)):
+            raise ValueError(f"speculative must be a bool, got {speculative!r}")
         toks = _token_array(token_ids)
+        if s.unscheduled or (s.drafts and not speculative):
+            raise ValueError(self._not_ready(seq_id, s, "append to"))
         if not toks:
             return []
         bs, n = self._bs, len(s.tokens)
-        need = -(-(n + len(toks)) // bs) - -(-n // bs)
-        if n % bs and self._rc[s.table[-1]] > 1:
-            need += 1
-        available = self._pool.num_free
-        if need > available:
-            raise OutOfBlocks(need, available, f"appending to {seq_id!r}")
+        fresh = -(-(n + len(toks)) // bs) - -(-n // bs)
+        copies = 1 if n % bs and self._pool.refcount(s.table[-1]) > 1 else 0
+        self._check_capacity(fresh, copies, f"appending to {seq_id!r}")
+        if speculative:
+            if not s.drafts:
+                self._unready += 1
+            s.drafts += len(toks)
+            out = [self._append(s, t, publish=False) for t in toks]
+            s.nxt = -1  # drafts pending: the next append goes through the checks
+            return out
         return [self._append(s, t) for t in toks]
+
+    def accept(self, seq_id: Hashable, k: int) -> None:
+        """Settle the pending drafts: keep the first ``k`` as ordinary tokens, drop the rest.
+
+        Blocks the kept drafts complete are published now. Blocks that held only dropped drafts
+        return to the free list clean, tail first. Example (block size 4, 6 tokens + 5 drafts in
+        blocks [a, b, c]): ``accept(id, 1)`` keeps 7 tokens in [a, b]; c goes back clean.
+        """
+        s = self._seq(seq_id)
+        k = _count(k, "k")
+        d = s.drafts
+        if k > d:
+            raise ValueError(f"accept({k}) but {d} drafts are pending")
+        if not d:
+            return
+        bs = self._bs
+        n = len(s.tokens) - (d - k)
+        del s.tokens[n:]
+        keep = -(-n // bs)
+        dropped = s.table[keep:]
+        if dropped:
+            del s.table[keep:]
+            self._pool.release_all(dropped[::-1])  # drafts are never published: they go clean
+        s.drafts = 0
+        self._unready -= 1
+        if self._cache is not None:
+            first = len(s.hashes)
+            nfull = n // bs
+            if nfull > first:
+                parent = s.hashes[-1] if first else s.root
+                s.hashes += self._hasher.chain(parent, _le_bytes(s.tokens[first * bs : nfull * bs]),
+                                               4 * bs, nfull - first)
+                self._publish_run(s, first, nfull)
+        if n % bs and self._pool.refcount(s.table[-1]) == 1:
+            s.nxt = s.table[-1] * bs + n % bs
 
     def append_batch(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int]) -> np.ndarray:
         """One decode step: append ``token_ids[i]`` to ``seq_ids[i]`` for every i, atomically.
 
-        Returns the step's slot mapping as ``np.int64[len(seq_ids)]``. Either every sequence
-        got its token or ``OutOfBlocks`` was raised and none did.
+        ``seq_ids`` is a sequence (list, tuple, 1-D array), never a set or a dict: the pairing
+        with ``token_ids`` is by position. Returns the step's slot mapping as
+        ``np.int64[len(seq_ids)]``. Either every sequence got its token or an error was raised
+        and none did.
         """
+        if type(seq_ids) is not list and type(seq_ids) is not tuple:
+            seq_ids = _id_sequence(seq_ids)
         toks = _token_array(token_ids)  # validates every id in one C loop
         if len(toks) != len(seq_ids):
             raise ValueError(f"{len(seq_ids)} sequence ids but {len(toks)} tokens")
@@ -280,14 +518,19 @@ class KVCacheManager:
             if not n:
                 return np.empty(0, dtype=np.int64)
             return np.array([self.append_token(seq_ids[0], toks[0])], dtype=np.int64)
-        ss = itemgetter(*seq_ids)(self._seqs)
+        try:
+            ss = itemgetter(*seq_ids)(self._seqs)
+        except TypeError:
+            raise ValueError("sequence ids must be hashable") from None
         if len(set(seq_ids)) != n:
             raise ValueError("a sequence id appears twice in one append_batch")
-        pool = self._pool
-        if pool.num_free < n:  # only then can the batch fail: count exactly
-            need = self._blocks_for_step(ss)
-            if need > pool.num_free:
-                raise OutOfBlocks(need, pool.num_free, "a decode step")
+        if self._unready:
+            for sid, s in zip(seq_ids, ss):
+                if s.unscheduled or s.drafts:
+                    raise ValueError(self._not_ready(sid, s, "append to"))
+        if self._pool.num_free < n or self._copy_src:  # only then can the batch fail: count
+            fresh, copies = self._blocks_for_step(ss)
+            self._check_capacity(fresh, copies, "a decode step")
         bs = self._bs
         slow = self._slot_slow
         out = []
@@ -309,7 +552,13 @@ class KVCacheManager:
             self._publish_filled(filled)
         return np.fromiter(out, dtype=np.int64, count=n)
 
-    def _append(self, s: _Seq, token_id: int) -> int:
+    def _not_ready(self, seq_id: Hashable, s: _Seq, what: str) -> str:
+        if s.unscheduled:
+            return (f"cannot {what} {seq_id!r}: {s.unscheduled} prompt positions are not "
+                    f"scheduled yet (call prefill first)")
+        return f"cannot {what} {seq_id!r}: {s.drafts} drafts are pending (call accept first)"
+
+    def _append(self, s: _Seq, token_id: int, publish: bool = True) -> int:
         """Append one validated token; the capacity it needs is the caller's to check."""
         slot = s.nxt
         if slot < 0:
@@ -320,7 +569,7 @@ class KVCacheManager:
             s.nxt = nxt
         else:
             s.nxt = -1
-            if self._cache is not None:
+            if publish and self._cache is not None:
                 self._publish_filled((s,))
         return slot
 
@@ -334,77 +583,119 @@ class KVCacheManager:
         off = len(s.tokens) % bs
         if off:
             b = s.table[-1]
-            if self._rc[b] > 1:
+            if self._pool.refcount(b) > 1:
                 b = self._copy_on_write(s, b)
         else:
-            b = self._pool._take_one()
+            b = self._pool.allocate_one()
             s.add_block(b)
         return b * bs + off
 
-    def _blocks_for_step(self, ss: Sequence[_Seq]) -> int:
-        """Blocks one decode step of ``ss`` takes: one per full last block, plus the copies.
+    def _blocks_for_step(self, ss: Sequence[_Seq]) -> tuple[int, int]:
+        """Fresh blocks and copies one decode step of ``ss`` takes.
 
-        ``k`` batch members sharing a partial block held ``r`` times copy ``min(k, r - 1)``
-        times: each writer copies while another holder remains, the last holder writes in place.
+        A full last block needs a fresh block. ``k`` batch members sharing a partial block held
+        ``r`` times copy ``min(k, r - 1)`` times: each writer copies while another holder
+        remains, the last holder writes in place.
         """
-        bs, rc = self._bs, self._rc
-        need = 0
+        bs, refcount = self._bs, self._pool.refcount
+        fresh = 0
         sharers: dict[int, int] = {}
         for s in ss:
             if len(s.tokens) % bs:
                 b = s.table[-1]
-                if rc[b] > 1:
+                if refcount(b) > 1:
                     sharers[b] = sharers.get(b, 0) + 1
             else:
-                need += 1
-        return need + sum(min(k, rc[b] - 1) for b, k in sharers.items())
+                fresh += 1
+        return fresh, sum(min(k, refcount(b) - 1) for b, k in sharers.items())
+
+    def _check_capacity(self, fresh: int, copies: int, what: str) -> None:
+        """Raise OutOfBlocks unless ``fresh`` new blocks and ``copies`` copy destinations can
+        be taken. A freed block that a pending copy still reads cannot be a copy destination,
+        so when the call copies, such blocks do not count as available."""
+        available = self._pool.num_free
+        if copies and self._copy_src:
+            available -= self._pool.count_free(self._copy_src)
+        if fresh + copies > available:
+            raise OutOfBlocks(fresh + copies, available, what)
 
     def _copy_on_write(self, s: _Seq, old: int) -> int:
-        """Give ``s`` a private copy of its shared partial last block; returns the new block."""
-        new = self._pool._take_one()  # raises OutOfBlocks before anything changed
-        self._rc[old] -= 1  # still >= 1: another table holds it
+        """Give ``s`` a private copy of its shared partial last block; returns the new block.
+
+        The pending list stays batch-safe: a destination is never a block a pending copy reads
+        (``allocate_one_avoiding``), and copying a block that is itself a pending destination
+        copies from that copy's source instead (the same bytes, as running them in order).
+        """
+        pool = self._pool
+        if self._copy_src:
+            try:
+                new = pool.allocate_one_avoiding(self._copy_src)
+            except OutOfBlocks:
+                raise OutOfBlocks(1, 0, "a copy-on-write destination") from None
+        else:
+            new = pool.allocate_one()  # raises OutOfBlocks before anything changed
+        pool.release(old)  # still >= 1: another table holds it
         s.set_last(new)
-        self._copies.append(CopyOp(old, new))
+        src = self._copy_dst.get(old, old)
+        self._copies.append(CopyOp(src, new))
+        self._copy_dst[new] = src
+        self._copy_src[src] = self._copy_src.get(src, 0) + 1
         self._cow_copies += 1
         return new
 
     def _publish_filled(self, filled: Sequence[_Seq]) -> None:
         """Each sequence's last block just filled: hash it (chained), offer it to the cache.
 
-        One call per decode step, not per block, with every lookup hoisted out of the loop.
+        One call per decode step, not per block.
         """
-        bs, digest, cache = self._bs, self._digest, self._cache
-        m, keys, events = cache._map, self._pool._keys, cache.events_enabled
+        bs, digest = self._bs, self._digest
+        entries = []
+        push = entries.append
         for s in filled:
             block_tokens = s.tokens[-bs:]
             hashes = s.hashes
             parent = hashes[-1] if hashes else s.root
             h = digest(parent, _le_bytes(block_tokens))
             hashes.append(h)
-            if h not in m:
-                b = s.table[-1]
-                m[h] = b
-                keys[b] = h
-                if events:
-                    if cache._removed:
-                        cache._flush_removed()
-                    cache._events.append(((h,), parent, block_tokens, bs))  # raw: see stored_raw
+            push((s.table[-1], h, parent, block_tokens))
+        self._cache.publish_each(entries, bs)
 
     def take_copies(self) -> list[CopyOp]:
-        """Drain the copies queued by copy-on-write; run them before writing this step's KV."""
+        """Drain the copies queued by copy-on-write; run them before writing this step's KV.
+
+        The list is safe for one batched kernel: no block is a destination twice, and no
+        destination is the source of another copy in the list.
+        """
         copies, self._copies = self._copies, []
+        self._copy_dst, self._copy_src = {}, {}
         return copies
+
+    def _drop_copies_into(self, blocks: Iterable[int]) -> None:
+        """Blocks about to be released by their only holder: a pending copy into them has
+        nothing left to serve."""
+        for dst in blocks:
+            src = self._copy_dst.pop(dst)
+            self._copies.remove(CopyOp(src, dst))
+            left = self._copy_src[src] - 1
+            if left:
+                self._copy_src[src] = left
+            else:
+                del self._copy_src[src]
 
     # ---- fork and free -----------------------------------------------------------------------
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """The child shares every block of the parent: O(blocks), no allocation, no copy."""
-        p = self._seqs[parent_id]
+        """The child shares every block of the parent: O(blocks), no allocation, no copy.
+
+        Fork between steps, after the step's K/V writes: a token whose K/V is not written yet
+        would be shared unwritten.
+        """
+        p = self._seq(parent_id)
         if _known(self._seqs, child_id):
             raise ValueError(f"sequence {child_id!r} already exists")
-        rc = self._rc
-        for b in p.table:
-            rc[b] += 1
+        if p.unscheduled or p.drafts:
+            raise ValueError(self._not_ready(parent_id, p, "fork"))
+        self._pool.incref_all(p.table)
         p.nxt = -1  # the partial last block, if any, is shared now: the next write decides
         mirror = None if p.mirror is None else p.mirror.copy()
         self._seqs[child_id] = _Seq(p.table.copy(), p.tokens[:], p.hashes.copy(), p.root, mirror)
@@ -414,20 +705,22 @@ class KVCacheManager:
         """Release every block of the sequence, tail first (so its prefix is evicted last).
 
         ``cache=False`` is for a sequence whose K/V was never (fully) written, such as a request
-        aborted before its prefill ran: the blocks it alone holds are unpublished and return
-        clean, so no later prompt can hit content that was never computed. Blocks another
-        sequence still holds keep their hashes.
+        dropped after it was scheduled but before its step ran: the blocks it alone holds are
+        unpublished and return clean, so no later prompt can hit content that was never
+        computed. Blocks another sequence still holds keep their hashes.
         """
         if not isinstance(cache, bool):
             raise ValueError(f"cache must be a bool, got {cache!r}")
-        s = self._seqs.pop(seq_id)
-        if self._copies:  # a copy into a block of this sequence has nothing left to serve
-            mine = {b for b in s.table if self._rc[b] == 1}
-            self._copies = [c for c in self._copies if c.dst not in mine]
+        s = self._seq(seq_id)
+        del self._seqs[seq_id]
+        if s.unscheduled or s.drafts:
+            self._unready -= 1
+        refcount = self._pool.refcount
+        if self._copy_dst:
+            self._drop_copies_into([b for b in s.table if b in self._copy_dst and refcount(b) == 1])
         if not cache and self._cache is not None:
-            rc, keys = self._rc, self._pool._keys
-            self._cache.unpublish([b for b in s.table if rc[b] == 1 and b in keys])
-        self._pool._release_all(reversed(s.table))
+            self._cache.unpublish([b for b in s.table if refcount(b) == 1])
+        self._pool.release_all(s.table[::-1])
 
     # ---- prefix cache ------------------------------------------------------------------------
 
@@ -449,9 +742,9 @@ class KVCacheManager:
         """Block tables as one padded ``np.int32[len(seq_ids), max_blocks]`` array (vLLM's form).
 
         Rows are copied from each sequence's int32 mirror, so the cost is one slice copy per
-        sequence (about 0.5 µs), not one Python int per block.
+        sequence, not one Python int per block.
         """
-        ss = [self._seqs[i] for i in seq_ids]
+        ss = self._seq_list(seq_ids)
         pad = as_int(pad, "pad")
         if not -(2**31) <= pad < 2**31:
             raise ValueError(f"pad must fit in int32, got {pad}")
@@ -464,10 +757,11 @@ class KVCacheManager:
     def flashinfer_layout(self, seq_ids: Sequence[Hashable]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """FlashInfer's paged layout: ``(indptr, indices, last_page_len)``, all ``np.int32``.
 
-        Example (page size 4, lengths 10, 4, 5; tables [0,1,2], [3], [4,5]):
-        indptr [0, 3, 4, 6], indices [0, 1, 2, 3, 4, 5], last_page_len [2, 4, 1].
+        Describes scheduled positions. Example (page size 4, lengths 10, 4, 5; tables [0,1,2],
+        [3], [4,5]): indptr [0, 3, 4, 6], indices [0, 1, 2, 3, 4, 5], last_page_len [2, 4, 1].
+        A sequence with nothing scheduled has no pages and a last_page_len of 0.
         """
-        ss = [self._seqs[i] for i in seq_ids]
+        ss = self._seq_list(seq_ids)
         nblocks = np.fromiter((len(s.table) for s in ss), dtype=np.int32, count=len(ss))
         indptr = np.zeros(len(ss) + 1, dtype=np.int32)
         np.cumsum(nblocks, out=indptr[1:])
@@ -476,19 +770,21 @@ class KVCacheManager:
         else:
             indices = np.empty(0, dtype=np.int32)
         ntok = np.fromiter((len(s.tokens) for s in ss), dtype=np.int32, count=len(ss))
-        last_page_len = (ntok - 1) % self._bs + 1
-        return indptr, indices, last_page_len.astype(np.int32)
+        if self._unready:  # positions not scheduled yet have no page
+            ntok -= np.fromiter((s.unscheduled for s in ss), dtype=np.int32, count=len(ss))
+        last_page_len = np.minimum(ntok, (ntok - 1) % self._bs + 1)  # 0 pages -> 0
+        return indptr, indices, last_page_len
 
     # ---- accounting --------------------------------------------------------------------------
 
     def usage(self) -> Usage:
-        """What the cache holds now (see :class:`~pagedkv.types.Usage`)."""
+        """What the cache holds now, over scheduled positions (see :class:`~pagedkv.types.Usage`)."""
         bs, pool = self._bs, self._pool
         used = pool.num_used
         logical = logical_blocks = 0
         partial: dict[int, int] = {}  # distinct partial last blocks -> tokens they hold
         for s in self._seqs.values():
-            n = len(s.tokens)
+            n = s.computed
             logical += n
             logical_blocks += len(s.table)
             if n % bs:
@@ -520,58 +816,78 @@ class KVCacheManager:
 
         Checks: the pool's own states (free + cached-free + used = total, nothing both free and
         referenced); each block's refcount equals the number of table entries pointing at it;
-        each table has ``ceil(num_tokens / block_size)`` entries; a partial block is only ever a
-        last block, shared by sequences of equal length within it; every sequence's stored
-        hashes are the chained hashes of its tokens; the hash map and the pool's keys are one
-        bijection; and every mapped hash of a live sequence's block is that block's content hash.
+        each table has ``ceil(num_computed / block_size)`` entries; a partial block is only ever
+        a last block, shared by sequences of equal length within it; the counters of unready
+        sequences; every sequence's stored hashes are the chained hashes of its non-draft
+        tokens; only fully scheduled, non-draft blocks carry a hash; the hash map and the pool's
+        keys are one bijection; and the pending copies are batch-safe.
         """
-        self._pool.check_invariants()
+        pool = self._pool
+        pool.check_invariants()
         refs = Counter(chain.from_iterable(s.table for s in self._seqs.values()))
-        rc = self._rc
-        for b, c in enumerate(rc):
+        for b, c in enumerate(pool.refcounts()):
             _require(refs.get(b, 0) == c, f"block {b}: refcount {c}, referenced {refs.get(b, 0)} times")
         bs = self._bs
         partial_fill: dict[int, int] = {}
+        unready = 0
         for sid, s in self._seqs.items():
-            n = len(s.tokens)
+            n, done = len(s.tokens), s.computed
             _require(n >= 1, f"sequence {sid!r} is empty")
-            _require(len(s.table) == -(-n // bs), f"sequence {sid!r}: {len(s.table)} blocks for {n} tokens")
+            _require(0 <= s.unscheduled <= n and 0 <= s.drafts <= done, f"sequence {sid!r}: bad counters")
+            _require(not (s.unscheduled and s.drafts), f"sequence {sid!r}: drafts mid-prefill")
+            unready += bool(s.unscheduled or s.drafts)
+            _require(len(s.table) == -(-done // bs), f"sequence {sid!r}: {len(s.table)} blocks for {done} positions")
             if s.mirror is not None:
                 _require(s.mirror[: len(s.table)].tolist() == s.table, f"sequence {sid!r}: int32 mirror differs")
-            if n % bs:
+            if done % bs:
                 b = s.table[-1]
-                _require(partial_fill.setdefault(b, n % bs) == n % bs, f"partial block {b} shared at two fills")
+                _require(partial_fill.setdefault(b, done % bs) == done % bs, f"partial block {b} shared at two fills")
             if s.nxt >= 0:
-                ok = n % bs and s.nxt == s.table[-1] * bs + n % bs and rc[s.table[-1]] == 1
+                ok = (done % bs and not s.unscheduled and not s.drafts and s.nxt == s.table[-1] * bs + done % bs
+                      and pool.refcount(s.table[-1]) == 1)
                 _require(bool(ok), f"sequence {sid!r}: fast-path slot {s.nxt} is not its private next slot")
+        _require(unready == self._unready, f"{unready} sequences unready, {self._unready} counted")
         for sid, s in self._seqs.items():
-            for b in s.table[: len(s.tokens) // bs]:
+            for b in s.table[: s.computed // bs]:
                 _require(b not in partial_fill, f"block {b} is full in {sid!r} but partial elsewhere")
+        self._check_copies()
         self._check_cache()
 
+    def _check_copies(self) -> None:
+        dsts = [c.dst for c in self._copies]
+        srcs = Counter(c.src for c in self._copies)
+        _require(len(set(dsts)) == len(dsts), "a block is a copy destination twice")
+        _require(not set(dsts) & set(srcs), "a copy destination is the source of another copy")
+        _require(dict(self._copy_dst) == {c.dst: c.src for c in self._copies}, "copy index differs")
+        _require(dict(self._copy_src) == dict(srcs), "copy source counts differ")
+        for d in dsts:
+            _require(self._pool.refcount(d) > 0, f"copy destination {d} is free")
+
     def _check_cache(self) -> None:
-        cache, keys, bs = self._cache, self._pool._keys, self._bs
+        cache, keys, bs = self._cache, self._pool.keyed_blocks(), self._bs
         if cache is None:
             _require(not keys, "blocks carry keys with prefix caching off")
             return
-        _require(len(cache) == len(keys), f"{len(cache)} hashes mapped, {len(keys)} blocks keyed")
-        for h, b in cache.items():
-            _require(keys.get(b) == h, f"hash maps to block {b}, whose key differs")
+        cache.check_invariants()
         for sid, s in self._seqs.items():
-            nfull = len(s.tokens) // bs
+            nfull = (len(s.tokens) - s.drafts) // bs
             data = _le_bytes(s.tokens[: nfull * bs])
             expect = self._hasher.chain(s.root, data, 4 * bs, nfull)
             _require(s.hashes == expect, f"sequence {sid!r}: stored hashes are not its tokens' hashes")
-            for b, h in zip(s.table, expect):
+            offered = (s.computed - s.drafts) // bs
+            for i, b in enumerate(s.table):
                 k = keys.get(b)
-                _require(k is None or k == h, f"block {b} of {sid!r} is mapped under another content's hash")
+                if i >= offered:
+                    _require(k is None, f"block {b} of {sid!r} is published before it is scheduled")
+                else:
+                    _require(k is None or k == expect[i], f"block {b} of {sid!r} is mapped under another content's hash")
 
 
 def _token_array(token_ids: Any) -> array:
     """Token ids as a fresh ``array('I')``, validated: integers in ``[0, 2**32)``, else ValueError.
 
-    Lists and tuples convert in one C loop (about 7 ns a token); numpy integer arrays by a
-    range check and one cast, never element by element.
+    Lists and tuples convert in one C loop; numpy integer arrays by a range check and one cast,
+    never element by element. Masked arrays are refused: a masked token has no value.
     """
     if type(token_ids) is list or type(token_ids) is tuple:
         try:
@@ -579,6 +895,8 @@ def _token_array(token_ids: Any) -> array:
         except (TypeError, OverflowError) as exc:
             raise ValueError(f"token ids must be integers in [0, {MAX_TOKEN_ID}]: {exc}") from None
     if isinstance(token_ids, np.ndarray):
+        if isinstance(token_ids, np.ma.MaskedArray):
+            raise ValueError("token ids must not be a masked array (a masked token has no value)")
         if token_ids.ndim != 1 or token_ids.dtype.kind not in "iub":  # bools are 0/1, as in lists
             raise ValueError(f"token ids must be a 1-D integer array, got {token_ids.dtype} {token_ids.shape}")
         out = array("I")
@@ -589,7 +907,21 @@ def _token_array(token_ids: Any) -> array:
         return out
     if isinstance(token_ids, (str, bytes, bytearray)) or not isinstance(token_ids, Iterable):
         raise ValueError(f"token ids must be a sequence of ints, got {type(token_ids).__name__}")
-    return _token_array(list(token_ids))
+    return _token_array([_as_token(t) for t in token_ids])
+
+
+def _id_sequence(seq_ids: Any) -> list:
+    """``append_batch``'s ids as a list; the pairing with tokens is by position, so unordered
+    collections (sets, dicts) are refused rather than paired in whatever order they iterate."""
+    if isinstance(seq_ids, np.ndarray):
+        if seq_ids.ndim != 1:
+            raise ValueError(f"sequence ids must be a 1-D array, got shape {seq_ids.shape}")
+        return seq_ids.tolist()
+    if isinstance(seq_ids, (str, bytes, bytearray)) or not isinstance(seq_ids, SequenceABC):
+        raise ValueError(
+            f"sequence ids must be an ordered sequence (list, tuple, 1-D array), got {type(seq_ids).__name__}"
+        )
+    return list(seq_ids)
 
 
 def _le_bytes_swapped(tokens: array) -> bytes:  # pragma: no cover - no big-endian CI
@@ -611,14 +943,27 @@ def _known(seqs: dict, seq_id: Any) -> bool:
         raise ValueError(f"sequence ids must be hashable, got {type(seq_id).__name__}") from None
 
 
+def _count(value: Any, what: str) -> int:
+    """A non-negative int argument (numpy ints welcome; bools and floats refused)."""
+    value = as_int(value, what)
+    if value < 0:
+        raise ValueError(f"{what} must be a non-negative int, got {value}")
+    return value
+
+
 def _as_token(token: Any) -> int:
-    """Accept numpy integers as token ids; reject floats, bools' cousins and everything else."""
+    """Accept numpy integers (and bools, as lists of bools are) as token ids; reject the rest."""
     if isinstance(token, (float, str, bytes)) or isinstance(token, np.floating):
         raise ValueError(f"token id must be an integer, got {token!r}")
+    if isinstance(token, np.bool_):
+        return int(token)
     try:
-        return operator.index(token)
+        token = operator.index(token)
     except TypeError:
         raise ValueError(f"token id must be an integer, got {type(token).__name__}") from None
+    if not 0 <= token <= MAX_TOKEN_ID:
+        raise ValueError(f"token id {token} outside [0, {MAX_TOKEN_ID}]")
+    return token
 
 
 def _require(cond: bool, msg: str) -> None:

@@ -5,15 +5,28 @@ counts references to them, and when a block's last reference goes it files the b
 
 * **clean** (no content worth keeping): pushed on a LIFO stack, the next to be handed out, or
 * **cached-free** (it carries a key, e.g. a prefix hash): appended to an LRU, still revivable by
-  :meth:`revive`, and evicted oldest-first only when no clean block is left. Eviction drops the
-  key and calls ``on_evict(block, key)`` so the owner can forget it.
+  :meth:`acquire`, and evicted oldest-first only when no clean block is left. Eviction drops the
+  key and tells the owner (``on_evict`` / ``on_evict_many``) so that it can forget it.
 
 Every block is in exactly one of three states: in use (refcount > 0), clean, or cached-free.
 
-Bookkeeping is one list slot (8 bytes) of refcount per block, shared zeros until used; a block
-that was never handed out has no free-list entry at all: the clean stack sits on top of a
-watermark ``[fresh, num_blocks)`` of never-used blocks, handed out lowest first. So a fresh pool
-of 1,000,000 blocks costs one 8 MB list and builds in a few milliseconds, and hands out 0, 1, 2, …
+A block that was never handed out has no bookkeeping at all: the clean stack sits on top of a
+watermark ``[fresh, num_blocks)`` of never-used blocks, handed out lowest first, and the refcount
+list only grows as the watermark rises. So a pool of 2**31 - 1 blocks costs nothing to build, and
+a used block costs one 8-byte list slot of refcount (plus a dict entry while it carries a key).
+
+The batch operations are the ones an allocator's hot paths need, so that a caller never has to
+reach into the pool: :meth:`allocate` (n blocks, optionally after acquiring prefix hits, atomic),
+:meth:`allocate_one` (the per-token path), :meth:`acquire` (prefix hits, reviving cached-free
+blocks), :meth:`incref_all` (a fork), :meth:`release_all` (a freed table, tail first) and
+:meth:`set_keys` / :meth:`drop_keys` (publishing and unpublishing). Each validates its arguments
+and either succeeds completely or changes nothing.
+
+Validating a batch (ids are ints in range, distinct, in use) costs as much as the batch itself:
+about as long as the refcount loop of a 128-block fork. An owner that only ever passes back
+blocks this pool handed it, such as :class:`~pagedkv.KVCacheManager` passing its own block
+tables, builds the pool with ``check_args=False`` and skips those passes; every other check
+(capacity, atomicity) stays. Leave it on when your own code passes ids in.
 
 Engines that keep their own block tables can use the pool alone::
 
@@ -27,36 +40,50 @@ from __future__ import annotations
 import operator
 from collections import OrderedDict, deque
 from itertools import islice, repeat
-from typing import Callable, Hashable, Iterable, Optional
+from typing import Callable, Collection, Hashable, Iterable, Optional, Sequence
 
 from .types import OutOfBlocks
 
-__all__ = ["BlockPool"]
+__all__ = ["BlockPool", "MAX_BLOCKS"]
 
 EvictCallback = Callable[[int, Hashable], None]
 
+# Block ids are exported to kernels as int32 (vLLM's block tables, FlashInfer's indices).
+MAX_BLOCKS = 2**31 - 1
+_INT_ONLY = {int}
+
 
 class BlockPool:
-    """Physical block ids with refcounts, a LIFO clean stack and an LRU of cached-free blocks."""
+    """Physical block ids with refcounts, a LIFO clean stack and an LRU of cached-free blocks.
 
-    __slots__ = ("_num_blocks", "_rc", "_clean", "_fresh", "_lru", "_keys", "_evicted_keys",
-                 "on_evict", "on_evict_many", "evictions")
+    Not thread-safe: one owner (the engine's scheduler thread) calls it.
+    """
+
+    __slots__ = ("_num_blocks", "_rc", "_clean", "_lru", "_keys", "_evicted_keys",
+                 "on_evict", "on_evict_many", "evictions", "_check_args")
 
     def __init__(
         self,
         num_blocks: int,
         on_evict: Optional[EvictCallback] = None,
         on_evict_many: Optional[Callable[[list, list], None]] = None,
+        *,
+        check_args: bool = True,
     ) -> None:
+        if not isinstance(check_args, bool):
+            raise ValueError(f"check_args must be a bool, got {check_args!r}")
         num_blocks = as_int(num_blocks, "num_blocks")
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        if not 1 <= num_blocks <= MAX_BLOCKS:
+            raise ValueError(
+                f"num_blocks must be an int in [1, {MAX_BLOCKS}] (block ids are exported as int32), "
+                f"got {num_blocks!r}"
+            )
         if not all(f is None or callable(f) for f in (on_evict, on_evict_many)):
             raise ValueError("on_evict and on_evict_many must be callables or None")
         self._num_blocks = num_blocks
-        self._rc: list[int] = [0] * num_blocks  # refcount per block (hot paths read it directly)
+        # Refcount per block ever handed out; its length is the never-used watermark.
+        self._rc: list[int] = []
         self._clean: list[int] = []  # freed clean blocks; top (end) is handed out first
-        self._fresh = 0  # blocks [_fresh, num_blocks) were never handed out
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached-free, least recently freed first
         self._keys: dict[int, Hashable] = {}  # block -> key, for in-use and cached-free blocks
         self._evicted_keys: list = []  # keys of blocks evicted by the allocation under way
@@ -65,6 +92,12 @@ class BlockPool:
         self.on_evict = on_evict
         self.on_evict_many = on_evict_many
         self.evictions = 0
+        self._check_args = check_args
+
+    @property
+    def check_args(self) -> bool:
+        """Whether batch calls validate their block ids (see the module docstring)."""
+        return self._check_args
 
     # ---- sizes -------------------------------------------------------------------------------
 
@@ -75,7 +108,7 @@ class BlockPool:
     @property
     def num_clean(self) -> int:
         """Free blocks holding nothing worth keeping (never used, or freed without a key)."""
-        return len(self._clean) + self._num_blocks - self._fresh
+        return len(self._clean) + self._num_blocks - len(self._rc)
 
     @property
     def num_cached(self) -> int:
@@ -85,79 +118,134 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks an allocation can take: clean plus cached-free (evicted on demand)."""
-        return len(self._clean) + self._num_blocks - self._fresh + len(self._lru)
+        return len(self._clean) + self._num_blocks - len(self._rc) + len(self._lru)
 
     @property
     def num_used(self) -> int:
-        return self._fresh - len(self._clean) - len(self._lru)
+        return len(self._rc) - len(self._clean) - len(self._lru)
 
     # ---- queries -----------------------------------------------------------------------------
 
     def refcount(self, block: int) -> int:
         block = self._check_id(block)
-        return self._rc[block]
+        rc = self._rc
+        return rc[block] if block < len(rc) else 0
+
+    def refcounts(self) -> list[int]:
+        """Every block's refcount, as a new list of ``num_blocks`` ints (for checks and tests)."""
+        return self._rc + [0] * (self._num_blocks - len(self._rc))
 
     def key(self, block: int) -> Optional[Hashable]:
         """The block's key (in use or cached-free), or None."""
         block = self._check_id(block)
         return self._keys.get(block)
 
+    def keyed_blocks(self) -> dict[int, Hashable]:
+        """A copy of the block -> key map (in-use and cached-free blocks that carry a key)."""
+        return dict(self._keys)
+
     def is_cached(self, block: int) -> bool:
         """True when the block is free but revivable."""
         block = self._check_id(block)
         return block in self._lru
 
+    def is_free(self, block: int) -> bool:
+        """True when the block holds no reference (clean, never used, or cached-free)."""
+        return self.refcount(block) == 0
+
+    def count_free(self, blocks: Iterable[int]) -> int:
+        """How many of ``blocks`` (distinct ids) are free now."""
+        return sum(1 for b in blocks if self.refcount(b) == 0)
+
+    def cached_lru(self) -> list[int]:
+        """Cached-free blocks, least recently freed (next to be evicted) first."""
+        return list(self._lru)
+
     # ---- allocation --------------------------------------------------------------------------
 
-    def allocate(self, n: int = 1) -> list[int]:
+    def allocate(self, n: int = 1, acquire: Sequence[int] = ()) -> list[int]:
         """Take ``n`` blocks, each with refcount 1: clean ones first (most recently freed first,
         then never-used lowest first), then by evicting the least recently freed cached blocks.
 
+        ``acquire`` are blocks to take one more reference to first (an admission's prefix hits,
+        in use or cached-free): they are never evicted to make room for the ``n``, and the ones
+        revived from the cached-free LRU no longer count as available.
+
         Atomic: raises :class:`OutOfBlocks` and changes nothing if fewer than ``n`` are free.
         """
-        n = as_int(n, "n")
+        if type(n) is not int:
+            n = as_int(n, "n")
         if n < 0:
             raise ValueError(f"n must be a non-negative int, got {n!r}")
         available = self.num_free
+        if acquire:
+            if self._check_args:
+                self._check_acquirable(acquire)
+            available -= sum(map(self._lru.__contains__, acquire))  # revivals leave the free count
         if n > available:
             raise OutOfBlocks(n, available)
-        return self._take(n)
+        if acquire:
+            self._acquire(acquire)
+        return self._take(n) if n else []
+
+    def allocate_one(self) -> int:
+        """One block with refcount 1, or :class:`OutOfBlocks`: the per-token path."""
+        clean = self._clean
+        if clean:
+            b = clean.pop()
+            self._rc[b] = 1
+            return b
+        rc = self._rc
+        b = len(rc)
+        if b < self._num_blocks:
+            rc.append(1)
+            return b
+        if self._lru:
+            return self._evict_one()
+        raise OutOfBlocks(1, 0)
+
+    def allocate_one_avoiding(self, avoid: Collection[int]) -> int:
+        """One block that is not in ``avoid``: a copy destination must not be a block that a
+        pending copy still reads, even if that block was freed since (see the manager's
+        ``take_copies``). Clean blocks first (newest first), then never-used, then the oldest
+        cached-free block that is not avoided. OutOfBlocks when every free block is avoided."""
+        clean = self._clean
+        for i in range(len(clean) - 1, -1, -1):
+            b = clean[i]
+            if b not in avoid:
+                del clean[i]
+                self._rc[b] = 1
+                return b
+        rc = self._rc
+        if len(rc) < self._num_blocks:
+            rc.append(1)
+            return len(rc) - 1
+        for b in self._lru:
+            if b not in avoid:
+                self._lru.move_to_end(b, last=False)  # make it the one _evict_one takes
+                return self._evict_one()
+        raise OutOfBlocks(1, 0)
 
     def _take(self, n: int) -> list[int]:
         """Allocation without checks; the caller has made sure ``n <= num_free``."""
-        clean = self._clean
+        clean, rc = self._clean, self._rc
         k = min(n, len(clean))
         out = clean[len(clean) - k :]
         out.reverse()
         del clean[len(clean) - k :]
+        _consume(map(rc.__setitem__, out, repeat(1)))  # rc = 1 each, at C speed
         n -= k
         if n:
-            m = min(n, self._num_blocks - self._fresh)
-            out.extend(range(self._fresh, self._fresh + m))
-            self._fresh += m
+            fresh = len(rc)
+            m = min(n, self._num_blocks - fresh)
+            out.extend(range(fresh, fresh + m))
+            rc.extend(repeat(1, m))
             if n > m:
                 evicted = self._evict_oldest_n(n - m)
+                _consume(map(rc.__setitem__, evicted, repeat(1)))
                 out += evicted
-                _consume(map(self._rc.__setitem__, out, repeat(1)))  # rc = 1 each, at C speed
                 self._notify(out, evicted)
-                return out
-        _consume(map(self._rc.__setitem__, out, repeat(1)))
         return out
-
-    def _take_one(self) -> int:
-        """One block, refcount 1, or OutOfBlocks(1, 0): the per-token hot path."""
-        clean = self._clean
-        if clean:
-            b = clean.pop()
-        elif self._fresh < self._num_blocks:
-            b = self._fresh
-            self._fresh = b + 1
-        elif self._lru:
-            return self._evict_one()
-        else:
-            raise OutOfBlocks(1, 0)
-        self._rc[b] = 1
-        return b
 
     def _evict_oldest_n(self, n: int) -> list[int]:
         """Evict the ``n`` least recently freed cached blocks (an admission may need 50).
@@ -172,7 +260,7 @@ class BlockPool:
         return out
 
     def _evict_one(self) -> int:
-        """``_take_one`` when only a cached block is left: evict the oldest, tell the owner."""
+        """``allocate_one`` when only a cached block is left: evict the oldest, tell the owner."""
         b, _ = self._lru.popitem(last=False)
         key = self._keys.pop(b)
         self.evictions += 1
@@ -183,7 +271,7 @@ class BlockPool:
             elif self.on_evict is not None:
                 self.on_evict(b, key)
         except BaseException:  # as in _notify: undo the allocation, keep the pool consistent
-            self._release_all((b,))
+            self._release((b,))
             raise
         return b
 
@@ -202,7 +290,7 @@ class BlockPool:
                 for b, k in zip(evicted, keys):
                     self.on_evict(b, k)
         except BaseException:
-            self._release_all(reversed(taken))
+            self._release(reversed(taken))
             raise
 
     # ---- references --------------------------------------------------------------------------
@@ -212,32 +300,87 @@ class BlockPool:
         block = self._check_in_use(block)
         self._rc[block] += 1
 
-    def incref_all(self, blocks: Iterable[int]) -> None:
-        blocks = [self._check_in_use(b) for b in blocks]
+    def incref_all(self, blocks: Sequence[int]) -> None:
+        """One more holder of each in-use block (a fork shares a whole table); all or nothing."""
+        if self._check_args and not self._distinct_in_use(blocks):
+            blocks = [self._check_in_use(b) for b in blocks]
         rc = self._rc
         for b in blocks:
             rc[b] += 1
 
+    def acquire(self, blocks: Sequence[int]) -> None:
+        """One more reference to each block, in use or cached-free (prefix hits): a cached-free
+        block is revived in O(1) with refcount 1. All or nothing."""
+        if self._check_args:
+            self._check_acquirable(blocks)
+        self._acquire(blocks)
+
+    def revive(self, block: int) -> None:
+        """Bring a cached-free block back into use with refcount 1 (a prefix hit), O(1)."""
+        block = self._check_id(block)
+        if block not in self._lru:
+            raise ValueError(f"block {block} is not cached-free")
+        self._acquire((block,))
+
+    def _check_acquirable(self, blocks: Sequence[int]) -> None:
+        rc, lru = self._rc, self._lru
+        for b in blocks:
+            if type(b) is not int or not 0 <= b < len(rc) or not (rc[b] or b in lru):
+                b = self._check_id(b)
+                raise ValueError(f"block {b} is neither in use nor cached-free")
+        if len(blocks) > 1 and len(set(blocks)) != len(blocks):
+            raise ValueError("a block appears twice among the blocks to acquire")
+
+    def _acquire(self, blocks: Iterable[int]) -> None:
+        rc, lru = self._rc, self._lru
+        for b in blocks:
+            if rc[b]:
+                rc[b] += 1
+            else:
+                del lru[b]
+                rc[b] = 1
+
     def release(self, block: int) -> None:
         """Drop one reference; at zero the block becomes cached-free (keyed) or clean."""
         block = self._check_in_use(block)
-        self._release_all((block,))
+        self._release((block,))
 
-    def release_all(self, blocks: Iterable[int]) -> None:
-        """Drop one reference to each block, in the given order (which sets the LRU order).
+    def release_all(self, blocks: Sequence[int]) -> None:
+        """Drop one reference to each block, in the given order (which sets the LRU order):
+        a sequence's table released tail first keeps its prefix cached longest.
 
         Validated first, so a bad id or an over-release changes nothing.
         """
+        if self._check_args and not self._distinct_in_use(blocks):
+            blocks = self._checked_releases(blocks)
+        self._release(blocks)
+
+    def _distinct_in_use(self, blocks: Sequence[int]) -> bool:
+        """The common case of a batch call, checked in C-level passes: distinct Python-int ids
+        of blocks in use. False sends the caller down the per-block checks and their errors."""
+        rc = self._rc
+        try:
+            return (
+                set(map(type, blocks)) == _INT_ONLY
+                and min(blocks) >= 0
+                and 0 not in map(rc.__getitem__, blocks)
+                and len(set(blocks)) == len(blocks)
+            )
+        except (IndexError, TypeError, ValueError):
+            return False
+
+    def _checked_releases(self, blocks: Iterable[int]) -> list[int]:
         blocks = [self._check_id(b) for b in blocks]
         need: dict[int, int] = {}
         for b in blocks:
             need[b] = need.get(b, 0) + 1
         for b, k in need.items():
-            if self._rc[b] < k:
-                raise ValueError(f"block {b} has {self._rc[b]} references, cannot release {k}")
-        self._release_all(blocks)
+            have = self.refcount(b)
+            if have < k:
+                raise ValueError(f"block {b} has {have} references, cannot release {k}")
+        return blocks
 
-    def _release_all(self, blocks: Iterable[int]) -> None:
+    def _release(self, blocks: Iterable[int]) -> None:
         rc, keys, lru, clean = self._rc, self._keys, self._lru, self._clean
         for b in blocks:
             c = rc[b] - 1
@@ -248,39 +391,39 @@ class BlockPool:
                 else:
                     clean.append(b)
 
-    def revive(self, block: int) -> None:
-        """Bring a cached-free block back into use with refcount 1 (a prefix hit), O(1)."""
-        block = self._check_id(block)
-        if block not in self._lru:
-            raise ValueError(f"block {block} is not cached-free")
-        del self._lru[block]
-        self._rc[block] = 1
-
-    def _acquire_all(self, blocks: Iterable[int]) -> None:
-        """Unchecked: +1 reference to each block, in use or cached-free (prefix hits)."""
-        rc, lru = self._rc, self._lru
-        for b in blocks:
-            if rc[b]:
-                rc[b] += 1
-            else:
-                del lru[b]
-                rc[b] = 1
-
     # ---- keys --------------------------------------------------------------------------------
 
     def set_key(self, block: int, key: Hashable) -> None:
         """Mark an in-use block's content as worth keeping after its last release."""
-        block = self._check_in_use(block)
-        if key is None:
+        self.set_keys((block,), (key,))
+
+    def set_keys(self, blocks: Sequence[int], keys: Sequence[Hashable]) -> None:
+        """Key several in-use blocks at once (a prompt's newly published blocks)."""
+        if len(blocks) != len(keys):
+            raise ValueError(f"{len(blocks)} blocks but {len(keys)} keys")
+        if self._check_args and not self._distinct_in_use(blocks):
+            blocks = [self._check_in_use(b) for b in blocks]
+        if None in keys:
             raise ValueError("key must not be None")
-        self._keys[block] = key
+        self._keys.update(zip(blocks, keys))
 
     def drop_key(self, block: int) -> None:
         """Forget a block's key; a cached-free block becomes clean (pushed on the clean stack)."""
-        block = self._check_id(block)
-        if self._keys.pop(block, None) is not None and block in self._lru:
-            del self._lru[block]
-            self._clean.append(block)
+        self.drop_keys((self._check_id(block),))
+
+    def drop_keys(self, blocks: Iterable[int]) -> list:
+        """Forget the blocks' keys (blocks without one are skipped); cached-free blocks become
+        clean. Returns the dropped keys, in order."""
+        keys, lru, clean = self._keys, self._lru, self._clean
+        out = []
+        for b in blocks:
+            k = keys.pop(b, None)
+            if k is not None:
+                out.append(k)
+                if b in lru:
+                    del lru[b]
+                    clean.append(b)
+        return out
 
     def clear_cached(self) -> list[tuple[int, Hashable]]:
         """Every cached-free block becomes clean (oldest pushed first); returns (block, key) pairs.
@@ -304,27 +447,28 @@ class BlockPool:
 
     def _check_in_use(self, block: int) -> int:
         block = self._check_id(block)
-        if not self._rc[block]:
+        if not self.refcount(block):
             raise ValueError(f"block {block} is free")
         return block
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless every block is in exactly one consistent state."""
         n, rc = self._num_blocks, self._rc
-        _require(0 <= self._fresh <= n, f"watermark {self._fresh} outside [0, {n}]")
+        fresh = len(rc)
+        _require(fresh <= n, f"watermark {fresh} above {n}")
         clean, lru = self._clean, self._lru
         _require(len(set(clean)) == len(clean), "a block is twice on the clean stack")
         _require(not set(clean) & set(lru), "a block is both clean and cached-free")
         for b in clean:
-            _require(b < self._fresh and rc[b] == 0, f"clean block {b} is in use or never used")
+            _require(b < fresh and rc[b] == 0, f"clean block {b} is in use or never used")
             _require(b not in self._keys, f"clean block {b} has a key")
         for b in lru:
-            _require(b < self._fresh and rc[b] == 0, f"cached-free block {b} is in use")
+            _require(b < fresh and rc[b] == 0, f"cached-free block {b} is in use")
             _require(b in self._keys, f"cached-free block {b} has no key")
-        for b in range(self._fresh, n):
-            _require(rc[b] == 0 and b not in self._keys, f"never-used block {b} has state")
+        for b in self._keys:
+            _require(b < fresh, f"never-used block {b} has a key")
         used = sum(1 for c in rc if c > 0)
-        _require(min(rc) >= 0, "negative refcount")
+        _require(not rc or min(rc) >= 0, "negative refcount")
         _require(used == self.num_used, f"{used} blocks referenced, {self.num_used} counted used")
         _require(used + self.num_clean + self.num_cached == n, "free + cached + used != total")
 
@@ -338,7 +482,7 @@ def as_int(value, what: str) -> int:
     """``value`` as a Python int (numpy integers welcome); ValueError for bools and non-integers."""
     if type(value) is int:
         return value
-    if isinstance(value, bool) or isinstance(value, float):
+    if isinstance(value, bool) or isinstance(value, float) or type(value).__name__ == "bool_":
         raise ValueError(f"{what} must be an int, got {value!r}")
     try:
         return operator.index(value)

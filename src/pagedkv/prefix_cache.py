@@ -1,19 +1,24 @@
 """The prefix cache: chained block hash -> physical block, events, and hit statistics.
 
 It sits between the pool (which keeps a cached block's key and evicts it LRU) and the manager
-(which knows sequences and computes their hashes). Here live the three things a prefix cache adds:
+(which knows sequences and computes their hashes). This module is the one place that keeps the
+hash -> block map and the order of events; the pool keeps each block's key (the same hash) only
+so that it can file a released block as revivable and say which one it evicted. Here live:
 
-* ``longest_prefix(hashes)``: how many leading blocks of a prompt are already held, in
+* ``longest_prefix(hashes, limit)``: how many leading blocks of a prompt are already held, in
   one dict lookup per block, stopping at the first miss (chaining makes later hits impossible).
-* ``publish(...)``: a block that just filled becomes findable by its hash. When an equal block
-  is already mapped, the new one is simply not published; both may coexist (block tables are
-  append-only), and the map keeps the older one.
+* ``publish(...)`` (a run of blocks chained one from the next: a prompt, a prefill chunk, accepted
+  drafts) and ``publish_each(...)`` (unrelated single blocks: one decode step): a block whose every
+  position is scheduled becomes findable by its hash. When an equal block is already mapped the
+  new one is simply not published; both may coexist (block tables are append-only), and the map
+  keeps the older one.
+* ``unpublish(blocks)``: forget blocks whose K/V will never be written.
 * events (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``), each carrying hashes, so an
-  external router can mirror which prefixes this cache holds.
+  external router can mirror which prefixes this cache holds, and the hit statistics.
 """
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from typing import Any, Hashable, Iterable, Sequence
 
 from .pool import BlockPool, _consume
 from .types import AllBlocksCleared, BlockRemoved, BlockStored
@@ -29,6 +34,9 @@ class PrefixCache:
     def __init__(self, pool: BlockPool, enable_events: bool = True) -> None:
         self._pool = pool
         self._map: dict[Hashable, int] = {}
+        # Pending events, oldest first. A BlockStored is queued raw, as a plain tuple
+        # (hashes, parent, token array slice, block size): building its tuple of Python ints is
+        # left to take_events, off the admission and decode paths.
         self._events: list = []
         self._removed: list = []  # evicted hashes not yet folded into a BlockRemoved event
         self.events_enabled = enable_events
@@ -45,6 +53,8 @@ class PrefixCache:
     def items(self):
         return self._map.items()
 
+    # ---- lookups -----------------------------------------------------------------------------
+
     def longest_prefix(self, hashes: Sequence[Hashable], limit: int) -> list[int]:
         """Blocks holding the first ``k <= limit`` hashes, for the largest such ``k``."""
         m = self._map
@@ -56,6 +66,13 @@ class PrefixCache:
             out.append(b)
         return out
 
+    def record_query(self, prompt_tokens: int, hit_tokens: int) -> None:
+        """Count one admission's prompt tokens and how many the cache served."""
+        self.query_tokens += prompt_tokens
+        self.hit_tokens += hit_tokens
+
+    # ---- publishing --------------------------------------------------------------------------
+
     def publish(
         self,
         blocks: Sequence[int],
@@ -64,18 +81,21 @@ class PrefixCache:
         tokens: Sequence[int],
         block_size: int,
     ) -> None:
-        """Make just-filled in-use ``blocks`` (with chained ``hashes``) findable.
+        """Make in-use ``blocks`` (a chain: ``hashes[i]`` chained from ``hashes[i-1]``) findable.
 
         ``parent`` is the hash ``hashes[0]`` was chained from; ``tokens`` the blocks' tokens,
         concatenated. One ``BlockStored`` event per run of newly published blocks.
         """
-        m, keys = self._map, self._pool._keys
+        if not blocks:
+            return
+        m = self._map
         if m.keys().isdisjoint(hashes):  # the common case: all new, one run, C-speed updates
             m.update(zip(hashes, blocks))
-            keys.update(zip(blocks, hashes))
+            self._pool.set_keys(blocks, hashes)
             self._stored(hashes, parent, tokens, block_size, 0, len(blocks))
             return
         run_start = -1
+        new_blocks, new_hashes = [], []
         for i, (b, h) in enumerate(zip(blocks, hashes)):
             if h in m:
                 if run_start >= 0:
@@ -83,44 +103,55 @@ class PrefixCache:
                     run_start = -1
                 continue
             m[h] = b
-            keys[b] = h
+            new_blocks.append(b)
+            new_hashes.append(h)
             if run_start < 0:
                 run_start = i
+        self._pool.set_keys(new_blocks, new_hashes)
         if run_start >= 0:
             self._stored(hashes, parent, tokens, block_size, run_start, len(blocks))
 
-    def stored_raw(self, hashes: tuple, parent: Hashable, tokens, block_size: int) -> None:
-        """Queue a BlockStored event; its token tuple is built in ``take_events``.
-
-        Deferring the tuple keeps the admission and decode paths from creating one Python int
-        per published token (13 µs for a 1,088-token prompt); a plain tuple marks it as raw.
-        """
-        if self._removed:
-            self._flush_removed()
-        self._events.append((hashes, parent, tokens, block_size))
+    def publish_each(self, entries: Iterable[tuple[int, Hashable, Hashable, Any]], block_size: int) -> None:
+        """Publish unrelated single blocks, each ``(block, hash, parent hash, its tokens)``:
+        the blocks that one decode step filled, one event each, in the given order."""
+        m = self._map
+        blocks, hashes = [], []
+        events = None
+        if self.events_enabled:
+            if self._removed:  # nothing is evicted below: one flush keeps the order
+                self._flush_removed()
+            events = self._events
+        for b, h, parent, toks in entries:
+            if h not in m:
+                m[h] = b
+                blocks.append(b)
+                hashes.append(h)
+                if events is not None:
+                    events.append(((h,), parent, toks, block_size))
+        if blocks:
+            self._pool.set_keys(blocks, hashes)
 
     def _stored(self, hashes, parent, tokens, bs, i, j) -> None:
         if self.events_enabled:
-            self.stored_raw(tuple(hashes[i:j]), parent if i == 0 else hashes[i - 1], tokens[i * bs : j * bs], bs)
-
-    def _on_evict_many(self, blocks: list, keys: list) -> None:
-        _consume(map(self._map.__delitem__, keys))  # the map and the pool's keys: one bijection
-        if self.events_enabled:
-            self._removed.extend(keys)
-
-    def _flush_removed(self) -> None:
-        """Fold the evictions since the last event into one BlockRemoved, keeping event order."""
-        self._events.append(BlockRemoved(tuple(self._removed)))
-        self._removed = []
+            if self._removed:
+                self._flush_removed()
+            self._events.append(
+                (tuple(hashes[i:j]), parent if i == 0 else hashes[i - 1], tokens[i * bs : j * bs], bs)
+            )
 
     def unpublish(self, blocks: Sequence[int]) -> None:
-        """Forget the hashes of in-use ``blocks`` (their content cannot be trusted); one
-        ``BlockRemoved`` event names them. Once released, the blocks go back clean."""
-        keys = self._pool._keys
-        hashes = [keys.pop(b) for b in blocks]
+        """Forget the hashes of in-use ``blocks`` (their content cannot be trusted); blocks that
+        carry no hash are skipped. One ``BlockRemoved`` event names them. Once released, the
+        blocks go back clean."""
+        hashes = self._pool.drop_keys(blocks)
         _consume(map(self._map.__delitem__, hashes))
         if self.events_enabled and hashes:
             self._removed += hashes
+
+    def _on_evict_many(self, blocks: list, keys: list) -> None:
+        _consume(map(self._map.__delitem__, keys))  # the pool has dropped the keys already
+        if self.events_enabled:
+            self._removed.extend(keys)
 
     def clear(self) -> None:
         """Forget every hash (the pool must hold no block in use: see the manager's reset)."""
@@ -131,8 +162,29 @@ class PrefixCache:
                 self._flush_removed()
             self._events.append(AllBlocksCleared())
 
+    # ---- events ------------------------------------------------------------------------------
+
+    def _flush_removed(self) -> None:
+        """Fold the evictions since the last event into one BlockRemoved, keeping event order."""
+        self._events.append(BlockRemoved(tuple(self._removed)))
+        self._removed = []
+
+    def has_pending_events(self) -> bool:
+        return bool(self._events or self._removed)
+
     def take_events(self) -> list:
         if self._removed:
             self._flush_removed()
         events, self._events = self._events, []
         return [BlockStored(e[0], e[1], tuple(e[2]), e[3]) if type(e) is tuple else e for e in events]
+
+    # ---- checks ------------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """The hash map and the pool's keys are one bijection."""
+        keys = self._pool.keyed_blocks()
+        if len(self._map) != len(keys):
+            raise AssertionError(f"{len(self._map)} hashes mapped, {len(keys)} blocks keyed")
+        for h, b in self._map.items():
+            if keys.get(b) != h:
+                raise AssertionError(f"hash maps to block {b}, whose key differs")
