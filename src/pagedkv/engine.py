@@ -16,14 +16,16 @@ Read this module to see what an engine owes the allocator, in the order it owes 
 ``copy_on_write=False`` is a negative control, not a mode to use: the engine then ignores the
 queued copies and keeps writing a child's tokens into the *shared* block it was forked from (the
 copy's source), which is what an allocator without copy-on-write does. Parent and children then
-overwrite each other's K/V at the same slot offsets, and the oracle tests measure how far their
-logits drift. So that the collision is deterministic (last writer wins), that mode runs a step's
-sequences one at a time. It assumes the samples finish together (the shared block is not freed
-while a child still reads it).
+overwrite each other's K/V at the same slot offsets, and the tests and ``pagedkv report`` measure
+how far their logits drift from a dense run of the same model. So that the collision is
+deterministic (last writer wins), that mode runs a step's sequences one at a time. It assumes the
+samples finish together (the shared block is not freed while a child still reads it).
 
 The model is anything with ``new_store(num_blocks, block_size)`` and ``forward(store, token_ids,
-slots, block_tables, seq_lens, query_lens) -> logits`` (:class:`pagedkv.model.PagedLlama`). This
-module itself needs only numpy.
+slots, block_tables, seq_lens, query_lens) -> logits`` (:class:`pagedkv.model.PagedLlama`, on its
+numpy or its torch backend; logits may be a numpy array or a CPU tensor). ``forward`` already takes
+several new tokens per sequence (``query_lens``): a prefill chunk or a run of draft tokens is the
+same call as a decode step. This module itself needs only numpy.
 """
 from __future__ import annotations
 
@@ -189,8 +191,7 @@ class Engine:
             results.append(RequestResult(prompt, hit, []))
             self.stats.prompt_tokens += len(prompt)
             self.stats.hit_tokens += hit
-            slots = np.asarray([self._slot(seq_id, pos) for pos in range(hit, len(prompt))], dtype=np.int64)
-            (first[seq_id],) = self._forward([seq_id], [prompt[hit:]], slots)
+            (first[seq_id],) = self._forward([seq_id], [prompt[hit:]], m.slots(seq_id, hit, len(prompt)))
         return results, first
 
     def _start(self, results, first, live, tag, temperature, seed, n, beam_width) -> None:
@@ -261,10 +262,6 @@ class Engine:
     def _new_id(self, tag: int, req: int) -> tuple[int, int, int]:
         """Sequence ids are ``(call, request, serial)``: unique within the manager's lifetime."""
         return (tag, req, next(self._serial))
-
-    def _slot(self, seq_id, pos: int) -> int:
-        table, bs = self.manager.block_table(seq_id), self.manager.block_size
-        return table[pos // bs] * bs + pos % bs
 
     def _fork(self, parent, child) -> None:
         self.stats.eager_fork_blocks += len(self.manager.block_table(parent))
