@@ -1,0 +1,777 @@
+"""KV events on vLLM's wire format: golden bytes, round trips, a router's index, real sockets.
+
+The golden bytes in ``data/vllm_kv_events_golden.json`` were made with vLLM 0.33.0 itself: the
+wheel downloaded without dependencies (``pip download vllm==0.33.0 --no-deps``) and unzipped;
+``vllm/distributed/kv_events.py`` loaded with the modules it imports (``vllm.config.kv_events``,
+``vllm.logger``, ``vllm.utils.network_utils``, ``vllm.v1.core.kv_cache_utils``) stubbed in
+``sys.modules``; each case built from vLLM's ``BlockStored`` / ``BlockRemoved`` /
+``AllBlocksCleared`` in a ``KVEventBatch`` and encoded with ``msgspec.msgpack.Encoder`` (msgspec
+0.23.0), as vLLM's ``ZmqEventPublisher`` encodes. Digests became u64 through vLLM's own
+``maybe_convert_block_hash`` (``vllm/v1/core/kv_cache_utils.py``, int hashes switched on, its
+default); Python-int hashes, which vLLM never has, through pagedkv's rule ``h & (2**64 - 1)``.
+The inputs are real pagedkv sha256 and xxh3-128 chained digests of tokens 1000..1063 (four
+16-token blocks, unsalted). Two cases (``decode_only``) hold what vLLM sends and pagedkv never
+does: LoRA fields, ``group_idx``, ``extra_keys``, ``session_id``, and raw-bytes hashes. Only the
+bytes and their inputs are committed, never vLLM's code or the script that loaded it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+msgspec = pytest.importorskip("msgspec")
+zmq = pytest.importorskip("zmq")
+
+import pagedkv  # noqa: E402
+from pagedkv import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheManager  # noqa: E402
+from pagedkv.events import (  # noqa: E402
+    KVEventPublisher,
+    KVEventSubscriber,
+    decode_vllm,
+    default_roots,
+    encode_vllm,
+    hash_to_u64,
+    root_hashes,
+)
+from pagedkv.hashing import BlockHasher, token_bytes  # noqa: E402
+
+GOLDEN = json.loads((Path(__file__).parent / "data" / "vllm_kv_events_golden.json").read_text())
+CASES = {c["name"]: c for c in GOLDEN["cases"]}
+ENCODED_CASES = [n for n, c in CASES.items() if not c.get("decode_only")]
+LOCAL = "tcp://127.0.0.1:*"  # the OS picks a free port; the publisher reads it back
+STORED_KEYS = [
+    "type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"
+]
+
+
+class CPUStored(BlockStored):
+    """A BlockStored with a ``medium``, as the manager's events will carry for a host tier."""
+
+    __slots__ = ()
+    medium = "CPU"
+
+
+class CPURemoved(BlockRemoved):
+    __slots__ = ()
+    medium = "CPU"
+
+
+class GPURemoved(BlockRemoved):
+    __slots__ = ()
+    medium = "GPU"
+
+
+def _hash(j):
+    if j is None:
+        return None
+    return bytes.fromhex(j["bytes"]) if "bytes" in j else j["int"]
+
+
+def _event(spec):
+    """The pagedkv event a golden case's input describes."""
+    kind = spec["type"]
+    if kind == "BlockStored":
+        cls = {None: BlockStored, "CPU": CPUStored}[spec.get("medium")]
+        hashes = tuple(_hash(h) for h in spec["block_hashes"])
+        return cls(hashes, _hash(spec["parent_block_hash"]), tuple(spec["token_ids"]), spec["block_size"])
+    if kind == "BlockRemoved":
+        cls = {None: BlockRemoved, "CPU": CPURemoved, "GPU": GPURemoved}[spec.get("medium")]
+        return cls(tuple(_hash(h) for h in spec["block_hashes"]))
+    return AllBlocksCleared()
+
+
+def _golden_events(name):
+    return [_event(e) for e in CASES[name]["events"]]
+
+
+def _golden_bytes(name):
+    return bytes.fromhex(CASES[name]["hex"])
+
+
+# ---------------------------------------------------------------- optional extra, lazily
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    src = str(Path(pagedkv.__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=src)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_import_pagedkv_loads_neither_msgspec_nor_zmq():
+    r = _run(
+        "import sys, pagedkv, pagedkv.events\n"
+        "print(sorted(m for m in ('msgspec', 'zmq') if m in sys.modules))\n"
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_missing_extra_is_a_clear_import_error():
+    r = _run(
+        "import sys\n"
+        "sys.modules['msgspec'] = None; sys.modules['zmq'] = None\n"
+        "from pagedkv.events import encode_vllm, KVEventPublisher\n"
+        "for call in (lambda: encode_vllm([], 0.0), lambda: KVEventPublisher('tcp://127.0.0.1:*')):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except ImportError as exc:\n"
+        "        print(exc)\n"
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 2
+    assert "msgspec" in lines[0] and "pyzmq" in lines[1]
+    assert all('pip install "pagedkv[events]"' in line for line in lines)
+
+
+# ---------------------------------------------------------------- hashes to u64
+
+
+@pytest.mark.parametrize("row", GOLDEN["hash_to_u64"], ids=lambda r: f"{r['algo']}-{r['digest'][:8]}")
+def test_digest_to_u64_matches_vllms_conversion(row):
+    assert hash_to_u64(bytes.fromhex(row["digest"])) == row["u64"]
+
+
+def test_digest_to_u64_is_the_last_eight_bytes_big_endian():
+    digest = hashlib.sha256(b"pagedkv").digest()
+    assert hash_to_u64(digest) == int.from_bytes(digest, "big") % 2**64 == int.from_bytes(digest[24:], "big")
+    assert hash_to_u64(bytearray(digest)) == hash_to_u64(memoryview(digest)) == hash_to_u64(digest)
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [(0, 0), (42, 42), (-1, 2**64 - 1), (-(2**63), 2**63), (2**63 - 1, 2**63 - 1), (2**64 + 5, 5)],
+)
+def test_int_hash_to_u64_is_twos_complement_low_bits(value, expected):
+    assert hash_to_u64(value) == expected
+
+
+def test_int_hash_to_u64_accepts_numpy_ints():
+    np = pytest.importorskip("numpy")
+    assert hash_to_u64(np.int64(-2)) == 2**64 - 2
+
+
+@pytest.mark.parametrize("bad", ["abc", 1.5, None, True, (1, 2), [3]])
+def test_hash_to_u64_rejects_what_is_not_a_hash(bad):
+    with pytest.raises(ValueError, match="block hash must be bytes or an int"):
+        hash_to_u64(bad)
+
+
+# ---------------------------------------------------------------- golden bytes
+
+
+@pytest.mark.parametrize("name", ENCODED_CASES)
+def test_encoder_matches_vllm_byte_for_byte(name):
+    case = CASES[name]
+    got = encode_vllm(_golden_events(name), case["timestamp"], case["data_parallel_rank"])
+    assert got == _golden_bytes(name)
+
+
+def test_golden_cases_cover_what_the_brief_names():
+    kinds = {e["type"] for c in GOLDEN["cases"] for e in c["events"]}
+    ranks = {c["data_parallel_rank"] for n, c in CASES.items() if n in ENCODED_CASES}
+    stored = [e for c in GOLDEN["cases"] for e in c["events"] if e["type"] == "BlockStored"]
+    parents = {e["parent_block_hash"] is None for e in stored}
+    assert kinds == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
+    assert {None, 0} <= ranks and parents == {True, False}
+    assert max(len(c["events"]) for c in GOLDEN["cases"]) >= 5
+
+
+def test_batch_and_event_layout_as_vllm_decodes_it():
+    """Independent of the golden bytes: a positional batch, maps keyed in vLLM's order, nils kept."""
+    raw = msgspec.msgpack.decode(_golden_bytes("mixed_xxh3_dp3"))
+    ts, events, rank = raw
+    assert (ts, rank) == (CASES["mixed_xxh3_dp3"]["timestamp"], 3)
+    assert [list(e) for e in events if e["type"] == "BlockStored"] == [STORED_KEYS] * 3
+    assert [list(e) for e in events if e["type"] == "BlockRemoved"] == [["type", "block_hashes", "medium"]] * 2
+    assert [e for e in events if e["type"] == "AllBlocksCleared"] == [{"type": "AllBlocksCleared"}]
+    assert msgspec.msgpack.decode(_golden_bytes("empty_batch"))[2] is None
+
+
+def test_first_block_of_a_prompt_goes_out_with_a_null_parent():
+    """pagedkv chains a prompt's first block from a salt's root; vLLM sends a null parent there,
+    and Dynamo drops a stored event whose parent it never saw."""
+    [ev] = _golden_events("stored_no_parent_sha256")
+    case = CASES["stored_no_parent_sha256"]
+    golden = _golden_bytes("stored_no_parent_sha256")
+    root = BlockHasher("sha256").root(None)
+    assert root in default_roots()
+    assert encode_vllm([ev._replace(parent_block_hash=root)], case["timestamp"]) == golden
+    salted = BlockHasher("sha256").root("tenant-a")
+    as_salted = [ev._replace(parent_block_hash=salted)]
+    assert encode_vllm(as_salted, case["timestamp"]) != golden  # an unknown root is just a parent
+    roots = default_roots() | root_hashes("sha256", ["tenant-a"])
+    assert encode_vllm(as_salted, case["timestamp"], roots=roots) == golden
+    assert encode_vllm([ev._replace(parent_block_hash=root)], case["timestamp"], roots=()) != golden
+
+
+@pytest.mark.parametrize("algo", ["xxh3", "builtin"])
+def test_default_roots_cover_every_algorithm(algo):
+    if algo == "xxh3":
+        pytest.importorskip("xxhash")
+    assert BlockHasher(algo).root(None) in default_roots()
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def _expected(spec):
+    """What decoding must give for one input event: u64 hashes, medium GPU unless told."""
+    out = {"type": spec["type"]}
+    if spec["type"] == "AllBlocksCleared":
+        return out
+    out["block_hashes"] = [hash_to_u64(_hash(h)) for h in spec["block_hashes"]]
+    out["medium"] = spec.get("medium", "GPU")
+    if spec["type"] == "BlockStored":
+        parent = _hash(spec["parent_block_hash"])
+        out["parent_block_hash"] = None if parent is None else hash_to_u64(parent)
+        out["token_ids"] = spec["token_ids"]
+        out["block_size"] = spec["block_size"]
+        out["lora_id"] = spec.get("lora_id")
+        out["lora_name"] = spec.get("lora_name")
+    return out
+
+
+def _as_dict(ev):
+    d = {"type": type(ev).__name__.removeprefix("Wire")}
+    d.update({k: getattr(ev, k) for k in ev.__struct_fields__ if k in STORED_KEYS})
+    return d
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_decode_gives_back_the_events_with_u64_hashes(name):
+    case = CASES[name]
+    ts, events, rank = decode_vllm(_golden_bytes(name))
+    assert ts == case["timestamp"] and rank == case["data_parallel_rank"]
+    assert [_as_dict(e) for e in events] == [_expected(s) for s in case["events"]]
+
+
+def test_decode_keeps_the_fields_vllm_adds():
+    _, [stored, removed], _ = decode_vllm(_golden_bytes("vllm_lora_group_extra"))
+    assert (stored.group_idx, stored.session_id, stored.extra_keys) == (0, "s1", [("sql-adapter",), None])
+    assert removed.group_idx == 0 and stored.lookahead_token_ids is None
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n != "vllm_bytes_hashes"])
+def test_decoded_events_reencode_to_the_same_bytes(name):
+    """A relay (decode, then publish again) changes nothing, vLLM's own extra fields included."""
+    ts, events, rank = decode_vllm(_golden_bytes(name))
+    assert encode_vllm(events, ts, rank) == _golden_bytes(name)
+
+
+_hashes = st.one_of(
+    st.binary(min_size=32, max_size=32), st.binary(min_size=16, max_size=16), st.integers(-(2**63), 2**63 - 1)
+)
+
+
+@st.composite
+def _events(draw):
+    kind = draw(st.sampled_from(["stored", "stored", "removed", "cleared"]))
+    if kind == "cleared":
+        return AllBlocksCleared()
+    hashes = tuple(draw(st.lists(_hashes, min_size=1, max_size=4)))
+    if kind == "removed":
+        return BlockRemoved(hashes)
+    bs = draw(st.integers(1, 8))
+    n = bs * len(hashes)
+    tokens = tuple(draw(st.lists(st.integers(0, 2**32 - 1), min_size=n, max_size=n)))
+    return BlockStored(hashes, draw(st.one_of(st.none(), _hashes)), tokens, bs)
+
+
+@given(
+    events=st.lists(_events(), max_size=6),
+    ts=st.floats(0, 4e9, allow_nan=False),
+    rank=st.one_of(st.none(), st.integers(0, 1024)),
+)
+def test_encode_decode_round_trip(events, ts, rank):
+    roots = frozenset()  # every parent is sent as given
+    got_ts, decoded, got_rank = decode_vllm(encode_vllm(events, ts, rank, roots=roots))
+    assert (got_ts, got_rank) == (ts, rank)
+    assert len(decoded) == len(events)
+    for ev, wire in zip(events, decoded):
+        assert type(wire).__name__ == "Wire" + type(ev).__name__
+        if isinstance(ev, AllBlocksCleared):
+            continue
+        assert wire.block_hashes == [hash_to_u64(h) for h in ev.block_hashes]
+        assert all(0 <= h < 2**64 for h in wire.block_hashes)
+        assert wire.medium == "GPU"
+        if isinstance(ev, BlockStored):
+            parent = ev.parent_block_hash
+            assert wire.parent_block_hash == (None if parent is None else hash_to_u64(parent))
+            assert wire.token_ids == list(ev.token_ids) and wire.block_size == ev.block_size
+
+
+def test_encode_accepts_numpy_and_array_token_ids():
+    np = pytest.importorskip("numpy")
+    from array import array
+
+    [ev] = _golden_events("stored_no_parent_sha256")
+    golden = _golden_bytes("stored_no_parent_sha256")
+    ts = CASES["stored_no_parent_sha256"]["timestamp"]
+    for tokens in (np.asarray(ev.token_ids, dtype=np.int64), array("I", ev.token_ids), list(ev.token_ids)):
+        assert encode_vllm([ev._replace(token_ids=tokens)], ts) == golden
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _stored():
+    return _golden_events("stored_no_parent_sha256")[0]
+
+
+@pytest.mark.parametrize(
+    "events, match",
+    [
+        (_stored(), "a list of events, got a single BlockStored"),
+        (AllBlocksCleared(), "a list of events, got a single AllBlocksCleared"),
+        (42, "iterable of events"),
+        ([("a", "b")], "not a KV event"),
+        ([{"type": "BlockStored"}], "not a KV event"),
+        ([_stored()._replace(token_ids=(1, 2, 3))], "needs 32 token ids, got 3"),
+        ([_stored()._replace(token_ids=tuple(range(-1, 31)))], "token_ids must be integers"),
+        ([_stored()._replace(token_ids=(1.5,) * 32)], "token_ids must be integers"),
+        ([_stored()._replace(block_size=0)], "block_size must be a positive int"),
+        ([_stored()._replace(block_size=True)], "block_size must be a positive int"),
+        ([_stored()._replace(block_hashes=("abc",))], "block hash must be bytes or an int"),
+        ([_stored()._replace(block_hashes=5)], "block_hashes must be a sequence"),
+        ([BlockRemoved(b"\x01" * 32)], "block_hashes must be a sequence of hashes, got bytes"),
+        ([_stored()._replace(token_ids=bytes(128))], "token_ids must be a sequence of ints, got bytes"),
+        ([_stored()._replace(parent_block_hash=[1])], "parent_block_hash must be"),
+        ([_stored()._replace(parent_block_hash=2.5)], "block hash must be bytes or an int"),
+        ([BlockRemoved((None,))], "block hash must be bytes or an int"),
+    ],
+)
+def test_encode_rejects_malformed_events(events, match):
+    with pytest.raises(ValueError, match=match):
+        encode_vllm(events, 1.0)
+
+
+def test_encode_rejects_a_bad_medium():
+    class Odd(BlockRemoved):
+        __slots__ = ()
+        medium = 7
+
+    with pytest.raises(ValueError, match="medium must be a str"):
+        encode_vllm([Odd((b"x" * 32,))], 1.0)
+
+
+@pytest.mark.parametrize("ts", [float("nan"), math.inf, "now", None, True])
+def test_encode_rejects_a_bad_timestamp(ts):
+    with pytest.raises(ValueError, match="timestamp must be a finite number"):
+        encode_vllm([], ts)
+
+
+@pytest.mark.parametrize("rank", [-1, True, 1.0, "0"])
+def test_encode_rejects_a_bad_rank(rank):
+    with pytest.raises(ValueError, match="data_parallel_rank must be None or an int >= 0"):
+        encode_vllm([], 1.0, rank)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"",
+        b"\xc1",  # never used in msgpack
+        msgspec.msgpack.encode({"ts": 1.0}),
+        msgspec.msgpack.encode([1.0, [{"type": "BlockGone", "block_hashes": [1]}], None]),
+        msgspec.msgpack.encode([1.0, [{"type": "BlockRemoved", "block_hashes": [-1], "medium": "GPU"}], None]),
+        msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [1]}], None]),  # fields missing
+        msgspec.msgpack.encode(["yesterday", [], None]),
+    ],
+)
+def test_decode_rejects_what_is_not_a_batch(payload):
+    with pytest.raises(ValueError, match="not a vLLM KV event batch"):
+        decode_vllm(payload)
+
+
+def test_decode_rejects_a_non_bytes_payload():
+    with pytest.raises(ValueError, match="payload must be bytes"):
+        decode_vllm("93cb")
+
+
+# ---------------------------------------------------------------- from a real manager
+
+
+def _prompt_u64s(algo, prompt, bs):
+    hasher = BlockHasher(algo)
+    n = len(prompt) // bs
+    return [hash_to_u64(h) for h in hasher.chain(hasher.root(None), token_bytes(prompt), 4 * bs, n)]
+
+
+class RouterIndex:
+    """What a precise prefix router keeps for one replica, fed only by decoded events.
+
+    Like Dynamo's radix tree it refuses a stored event whose parent it does not know; the test
+    counts refusals, which must be zero.
+    """
+
+    def __init__(self):
+        self.cached: set[int] = set()
+        self.unknown_parents = 0
+        self.unknown_removals = 0
+
+    def apply(self, payload):
+        _, events, _ = decode_vllm(payload)
+        for ev in events:
+            kind = type(ev).__name__
+            if kind == "WireBlockStored":
+                if ev.parent_block_hash is not None and ev.parent_block_hash not in self.cached:
+                    self.unknown_parents += 1
+                    continue
+                self.cached.update(ev.block_hashes)
+            elif kind == "WireBlockRemoved":
+                self.unknown_removals += len(set(ev.block_hashes) - self.cached)
+                self.cached.difference_update(ev.block_hashes)
+            else:
+                self.cached.clear()
+
+    def predicted_hit(self, u64s, prompt_len, bs):
+        """Tokens the replica will serve from cache: leading cached blocks, never the whole prompt."""
+        k = 0
+        for h in u64s[: (prompt_len - 1) // bs]:
+            if h not in self.cached:
+                break
+            k += 1
+        return k * bs
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxh3", "builtin"])
+def test_events_from_a_real_manager_index_exactly_what_it_caches(algo):
+    if algo == "xxh3":
+        pytest.importorskip("xxhash")
+    bs = 4
+    m = KVCacheManager(num_blocks=24, block_size=bs, hash_algo=algo)
+    index = RouterIndex()
+    raw_stored = raw_removed = 0
+    decode_parents = 0
+
+    def step(ts):
+        nonlocal raw_stored, raw_removed, decode_parents
+        events = m.take_events()
+        payload = encode_vllm(events, ts)
+        _, wire, _ = decode_vllm(payload)
+        for ev, w in zip(events, wire, strict=True):
+            if isinstance(ev, BlockStored):
+                raw_stored += len(ev.block_hashes)
+                assert w.block_hashes == [hash_to_u64(h) for h in ev.block_hashes]
+                assert w.token_ids == list(ev.token_ids) and len(w.token_ids) == bs * len(w.block_hashes)
+                if ev.parent_block_hash == BlockHasher(algo).root(None):
+                    assert w.parent_block_hash is None
+                else:
+                    assert w.parent_block_hash == hash_to_u64(ev.parent_block_hash)
+                    decode_parents += 1
+            elif isinstance(ev, BlockRemoved):
+                raw_removed += len(ev.block_hashes)
+                assert w.block_hashes == [hash_to_u64(h) for h in ev.block_hashes]
+        index.apply(payload)
+
+    system = list(range(500, 510))  # a shared 10-token system prompt: two full blocks
+    prompts = [system + [600 + 7 * i + j for j in range(3 + i % 5)] for i in range(12)]
+    live = []
+    hits = []
+    for i, prompt in enumerate(prompts):
+        u64s = _prompt_u64s(algo, prompt, bs)
+        predicted = index.predicted_hit(u64s, len(prompt), bs)
+        assert m.add_sequence(i, prompt) == predicted
+        hits.append(predicted)
+        live.append(i)
+        for t in range(6):  # decode until the tail blocks fill (published on the decode path)
+            for s in live:
+                m.append_token(s, 900 + 13 * s + t)
+            step(float(i) + t / 10)
+        if len(live) > 2:  # finish the oldest request: its blocks become cached-free, then evicted
+            m.free(live.pop(0))
+        step(float(i) + 0.9)
+    assert m.usage().evictions > 0 and raw_removed > 0 and decode_parents > 0
+    assert index.unknown_parents == 0 and index.unknown_removals == 0
+    # Every prompt and its decoded continuation: the router predicts the replica's hits exactly.
+    for s in list(live):
+        m.free(s)
+    step(100.0)
+    probes = prompts + [p + [900 + 13 * i + t for t in range(6)] for i, p in enumerate(prompts)]
+    for j, prompt in enumerate(probes):
+        predicted = index.predicted_hit(_prompt_u64s(algo, prompt, bs), len(prompt), bs)
+        assert m.add_sequence(("probe", j), prompt) == predicted
+        hits.append(predicted)
+        m.free(("probe", j))
+        step(200.0 + j)
+    assert index.unknown_parents == 0
+    assert len(set(hits)) >= 3  # misses, system-prompt hits and longer ones: the index is exercised
+    assert m.usage().cached_blocks == len(index.cached) > 0
+    assert m.reset_prefix_cache()
+    step(300.0)
+    assert index.cached == set()
+
+
+# ---------------------------------------------------------------- on real sockets
+
+
+def _events_for(i):
+    """Batch ``i``'s distinct content: one stored block whose hash and tokens name ``i``."""
+    digest = hashlib.sha256(i.to_bytes(4, "big")).digest()
+    return [BlockStored((digest,), None, (i, i + 1), 2)]
+
+
+def _check_batch(batch, i):
+    assert batch.seq == i and batch.timestamp == float(i)
+    [ev] = batch.events
+    assert ev.block_hashes == [hash_to_u64(hashlib.sha256(i.to_bytes(4, "big")).digest())]
+    assert ev.token_ids == [i, i + 1]
+
+
+def _drain(sub, out, timeout=0.0):
+    while (batch := sub.recv(timeout=timeout)) is not None:
+        out.append(batch)
+
+
+def _until_live(pub, sub, out, first, limit=2000):
+    """Publish batch after batch until the subscriber receives one (its subscription is live)."""
+    i = first
+    while not out:
+        assert i < limit, "the subscriber never received a live batch"
+        assert pub.publish(_events_for(i), timestamp=float(i)) == i
+        _drain(sub, out, timeout=0.01)
+        i += 1
+    return i
+
+
+def test_publish_frames_as_vllm():
+    """Three frames (topic, 8-byte big-endian seq, payload), read with a bare SUB socket."""
+    with KVEventPublisher(LOCAL, topic="kv@r0") as pub:
+        assert pub.endpoint.startswith("tcp://127.0.0.1:") and not pub.endpoint.endswith(":*")
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+        sub.connect(pub.endpoint)
+        try:
+            frames = None
+            for i in range(2000):
+                seq = pub.publish(_events_for(i), timestamp=float(i))
+                assert seq == i
+                if sub.poll(10):
+                    frames = sub.recv_multipart()
+                    break
+            assert frames is not None
+            topic, seq_bytes, payload = frames
+            seq = int.from_bytes(seq_bytes, "big")
+            assert topic == b"kv@r0" and len(seq_bytes) == 8 and seq <= i
+            ts, [ev], rank = decode_vllm(payload)
+            assert ts == float(seq) and rank is None and ev.token_ids == [seq, seq + 1]
+        finally:
+            sub.close()
+            ctx.term()
+
+
+def test_replay_protocol_as_vllm():
+    """A bare DEALER asks from seq 3 and gets (topic, seq, payload) for 3..9, then the end marker."""
+    with KVEventPublisher(LOCAL, LOCAL, topic="t", data_parallel_rank=2) as pub:
+        for i in range(10):
+            pub.publish(_events_for(i), timestamp=float(i))
+        ctx = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(pub.replay_endpoint)
+        try:
+            dealer.send_multipart([b"", (3).to_bytes(8, "big")])
+            replies = []
+            while True:
+                assert dealer.poll(5000), "no replay answer"
+                replies.append(dealer.recv_multipart())
+                if replies[-1][2] == b"\xff" * 8:
+                    break
+        finally:
+            dealer.close()
+            ctx.term()
+    assert replies[-1] == [b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
+    body = replies[:-1]
+    assert [int.from_bytes(r[2], "big") for r in body] == list(range(3, 10))
+    assert all(r[0] == b"" and r[1] == b"t" for r in body)
+    for r, i in zip(body, range(3, 10)):
+        ts, [ev], rank = decode_vllm(r[3])
+        assert ts == float(i) and rank == 2 and ev.token_ids == [i, i + 1]
+
+
+def test_a_dropped_subscriber_misses_nothing_of_1000_batches():
+    """Subscriber A takes 0..399 and closes; 400..599 go out to nobody; subscriber B reconnects
+    from A's next sequence number, fills the gap by replay, then follows live to 999."""
+    with KVEventPublisher(LOCAL, LOCAL, buffer_steps=1000) as pub:
+        got_a: list = []
+        with KVEventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=0) as a:
+            i = _until_live(pub, a, got_a, 0)
+            while i < 400:
+                pub.publish(_events_for(i), timestamp=float(i))
+                _drain(a, got_a)
+                i += 1
+            a.sync()  # whatever is still in flight to A
+            _drain(a, got_a)
+            resume, lost_a = a.next_seq, a.lost
+        assert resume == 400 and lost_a == 0
+        for i in range(400, 600):
+            pub.publish(_events_for(i), timestamp=float(i))
+        got_b: list = []
+        with KVEventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=resume) as b:
+            i = _until_live(pub, b, got_b, 600)
+            while i < 1000:
+                pub.publish(_events_for(i), timestamp=float(i))
+                _drain(b, got_b)
+                i += 1
+            b.sync()  # the tail a SUB socket may not have delivered yet
+            _drain(b, got_b)
+            assert b.lost == 0 and 200 <= b.replayed < 600 and b.next_seq == 1000
+    got = got_a + got_b
+    assert [batch.seq for batch in got] == list(range(1000))
+    for batch in got:
+        _check_batch(batch, batch.seq)
+
+
+def test_a_subscriber_counts_what_the_buffer_no_longer_holds():
+    with KVEventPublisher(LOCAL, LOCAL, buffer_steps=10) as pub:
+        for i in range(25):
+            pub.publish(_events_for(i), timestamp=float(i))
+        with KVEventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=0) as sub:
+            assert sub.sync() == 10
+            got: list = []
+            _drain(sub, got)
+            assert [b.seq for b in got] == list(range(15, 25))
+            assert (sub.lost, sub.replayed, sub.next_seq) == (15, 10, 25)
+            assert [b.seq for b in sub.replay(20)] == [20, 21, 22, 23, 24]
+            assert sub.replay(25) == []
+            assert sub.next_seq == 25  # replay() changes nothing
+
+
+def test_replay_survives_a_malformed_request():
+    with KVEventPublisher(LOCAL, LOCAL) as pub:
+        pub.publish(_events_for(0), timestamp=0.0)
+        ctx = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(pub.replay_endpoint)
+        try:
+            dealer.send_multipart([b"", b"x", b"y"])  # four frames at the ROUTER: ignored
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            assert dealer.poll(5000)
+            assert int.from_bytes(dealer.recv_multipart()[2], "big") == 0
+            assert dealer.poll(5000)
+            assert dealer.recv_multipart()[2] == b"\xff" * 8
+        finally:
+            dealer.close()
+            ctx.term()
+
+
+def test_sockets_over_ipc(tmp_path):
+    with KVEventPublisher(f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay") as pub:
+        assert pub.endpoint == f"ipc://{tmp_path}/pub"
+        pub.publish(_events_for(0), timestamp=0.0)
+        with KVEventSubscriber(pub.endpoint, pub.replay_endpoint) as sub:
+            assert sub.sync() == 1
+            _check_batch(sub.recv(timeout=0), 0)
+
+
+# ---------------------------------------------------------------- sockets: bad input, shutdown
+
+
+def test_an_endpoint_in_use_cannot_bind(tmp_path):
+    with KVEventPublisher(LOCAL) as first:
+        with pytest.raises(ValueError, match="cannot bind the KV event PUB socket to 'tcp://127.0.0.1:"):
+            KVEventPublisher(first.endpoint)
+    # A failed replay bind releases the PUB endpoint it had already bound.
+    ipc = f"ipc://{tmp_path}/kv"
+    with pytest.raises(ValueError, match="cannot bind the KV event replay socket to 'bogus'"):
+        KVEventPublisher(ipc, "bogus")
+    with KVEventPublisher(ipc) as again:
+        assert again.endpoint == ipc
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"endpoint": "tcp://nowhere"}, "cannot bind"),
+        ({"endpoint": 5557}, "endpoint must be a str"),
+        ({"buffer_steps": 0}, "buffer_steps must be an int >= 1"),
+        ({"buffer_steps": -5}, "buffer_steps must be an int >= 1"),
+        ({"buffer_steps": 2.5}, "buffer_steps must be an int >= 1"),
+        ({"buffer_steps": True}, "buffer_steps must be an int >= 1"),
+        ({"hwm": -1}, "hwm must be an int >= 0"),
+        ({"topic": b"kv"}, "topic must be a str"),
+        ({"data_parallel_rank": -1}, "data_parallel_rank must be None or an int >= 0"),
+    ],
+)
+def test_publisher_rejects_bad_settings(kwargs, match):
+    kwargs = {"endpoint": LOCAL, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        KVEventPublisher(**kwargs)
+
+
+def test_publish_bad_events_changes_nothing_and_a_closed_publisher_refuses():
+    pub = KVEventPublisher(LOCAL, LOCAL)
+    try:
+        assert pub.publish(_events_for(0), timestamp=0.0) == 0
+        with pytest.raises(ValueError, match="not a KV event"):
+            pub.publish(["nonsense"])
+        assert pub.publish(_events_for(1), timestamp=1.0) == 1 and pub.next_seq == 2
+    finally:
+        pub.close()
+    pub.close()  # twice: a no-op
+    with pytest.raises(RuntimeError, match="closed"):
+        pub.publish(_events_for(2))
+
+
+def test_close_stops_the_replay_thread():
+    import threading
+
+    before = {t for t in threading.enumerate() if t.name == "pagedkv-kv-replay"}
+    pub = KVEventPublisher(LOCAL, LOCAL)
+    assert {t for t in threading.enumerate() if t.name == "pagedkv-kv-replay"} - before
+    pub.close(timeout=5.0)
+    assert {t for t in threading.enumerate() if t.name == "pagedkv-kv-replay"} <= before
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"endpoint": "nonsense"}, "cannot connect the KV event SUB socket"),
+        ({"endpoint": None}, "endpoint must be a str"),
+        ({"start_seq": -1}, "start_seq must be an int >= 0"),
+        ({"replay_timeout": 0}, "replay_timeout must be a positive number"),
+        ({"replay_endpoint": 5558}, "replay_endpoint must be a str or None"),
+        ({"topic": None}, "topic must be a str"),
+    ],
+)
+def test_subscriber_rejects_bad_settings(kwargs, match):
+    kwargs = {"endpoint": "tcp://127.0.0.1:5557", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        KVEventSubscriber(**kwargs)
+
+
+def test_subscriber_without_replay_cannot_sync():
+    with KVEventSubscriber("tcp://127.0.0.1:5557") as sub:
+        with pytest.raises(RuntimeError, match="no replay endpoint"):
+            sub.sync()
+        assert sub.recv(timeout=0) is None
+
+
+def test_replay_from_a_silent_endpoint_times_out():
+    """A ROUTER that never answers: the request gives up after ``replay_timeout``, no hang."""
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind(LOCAL)
+    try:
+        endpoint = silent.getsockopt_string(zmq.LAST_ENDPOINT)
+        with KVEventSubscriber("tcp://127.0.0.1:5557", endpoint, replay_timeout=0.2) as sub:
+            with pytest.raises(TimeoutError, match="no end of replay"):
+                sub.sync()
+    finally:
+        silent.close()
+        ctx.term()
