@@ -24,10 +24,11 @@ leaves the manager exactly as it was.
 """
 from __future__ import annotations
 
+import hashlib
 import operator
 import sys
 from array import array
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence as SequenceABC
 from itertools import chain
 from operator import itemgetter
@@ -43,6 +44,9 @@ from .types import CopyOp, OutOfBlocks, Usage
 __all__ = ["KVCacheManager"]
 
 _BIG_ENDIAN = sys.byteorder == "big"
+# Prompts whose block hashes a lookup computed and no admission has consumed yet (the waiting
+# queue a scheduler keeps asking about). Each entry holds one hash per full block.
+HASH_MEMO_ENTRIES = 256
 MAX_BLOCK_SIZE = 2**31 - 1  # FlashInfer's last_page_len and every slot stay int32/int64-exact
 
 
@@ -189,6 +193,10 @@ class KVCacheManager:
         self._copies: list[CopyOp] = []
         self._copy_dst: dict[int, int] = {}  # destination -> its source
         self._copy_src: dict[int, int] = {}  # source -> how many pending copies read it
+        # (root, sha256 of the prompt's bytes) -> its full blocks' chained hashes, computed by
+        # lookup and taken by the admission of the same prompt: a scheduler that looks a waiting
+        # request up every step hashes its prompt once, as vLLM keeps hashes on the request.
+        self._hash_memo: OrderedDict[tuple, list] = OrderedDict()
         self._cow_copies = 0
         self._forks = 0
 
@@ -315,9 +323,28 @@ class KVCacheManager:
         if self._cache is None:
             return 0
         bs = self._bs
-        limit = (n - 1) // bs
-        hashes = self._hasher.chain(root, _le_bytes(tokens[: limit * bs]), 4 * bs, limit)
-        return len(self._cache.longest_prefix(hashes, limit)) * bs
+        hashes = self._prompt_hashes(root, _le_bytes(tokens), n // bs, remember=True)
+        return len(self._cache.longest_prefix(hashes, (n - 1) // bs)) * bs
+
+    def _prompt_hashes(self, root: Hashable, data: bytes, nfull: int, remember: bool) -> list:
+        """The chained hashes of a prompt's ``nfull`` full blocks, from the memo if a lookup
+        computed them. ``remember`` (lookup) keeps them there; an admission takes them out (the
+        list becomes the sequence's own). The memo key is a sha256 of the prompt's bytes, so
+        equal keys mean equal prompts whatever ``hash_algo`` is."""
+        memo = self._hash_memo
+        if memo or remember:
+            key = (root, hashlib.sha256(data).digest())
+            hashes = memo.get(key) if remember else memo.pop(key, None)
+            if hashes is not None:
+                if remember:
+                    memo.move_to_end(key)
+                return hashes
+        hashes = self._hasher.chain(root, data, 4 * self._bs, nfull)
+        if remember:
+            memo[key] = hashes
+            if len(memo) > HASH_MEMO_ENTRIES:
+                memo.popitem(last=False)
+        return hashes
 
     def add_sequence(self, seq_id: Hashable, prompt_ids: Sequence[int], cache_salt: Any = None,
                      prefill: int | None = None) -> int:
@@ -347,7 +374,7 @@ class KVCacheManager:
         hits: list[int] = []
         root = self._hasher.root(cache_salt)  # validates the salt, cached or not
         if cache is not None:
-            hashes = self._hasher.chain(root, _le_bytes(tokens), 4 * bs, n // bs)
+            hashes = self._prompt_hashes(root, _le_bytes(tokens), n // bs, remember=False)
             hits = cache.longest_prefix(hashes, (n - 1) // bs)
         hit = len(hits) * bs
         computed = n if prefill is None else hit + min(prefill, n - hit)

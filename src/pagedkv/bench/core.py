@@ -207,6 +207,139 @@ def _bench_fork_free(quick: bool) -> list[dict]:
 
 
 # --------------------------------------------------------------------------------------------
+# contract v2: chunked prefill, speculative decoding, lookup (issue 8)
+
+
+def _bench_prefill_chunk(quick: bool) -> dict:
+    """One 512-token ``prefill`` chunk of a 4,096-token prompt admitted with ``prefill=0``:
+    32 fresh blocks, their 512 slots, 32 blocks published. Each sample admits a fresh sequence
+    untimed and frees it uncached, so every chunk allocates and publishes anew."""
+    rng = np.random.default_rng(SEED + 5)
+    m = KVCacheManager(num_blocks=4096, block_size=BLOCK_SIZE)
+    prompt = _tokens(rng, 4096)
+    counter = iter(range(10**9))
+
+    def setup():
+        sid = f"p{next(counter)}"
+        m.add_sequence(sid, prompt, prefill=0)
+        return sid
+
+    def teardown(sid):
+        m.free(sid, cache=False)
+        m.take_events()
+
+    t = measure(lambda sid: m.prefill(sid, 512), setup=setup, teardown=teardown,
+                repeat=200 if quick else 3000, warmup=20 if quick else 100, max_time_s=5)
+    return _row("prefill, one 512-token chunk", t.median_us, "µs", 15.0,
+                f"32 blocks taken and published, 512 slots returned; {t.spread()}")
+
+
+def _bench_speculative(quick: bool) -> dict:
+    """Four draft tokens appended speculatively, then ``accept(id, 2)``: two kept (published if
+    they fill a block), two rolled back. The sequence grows by 2 tokens a sample."""
+    rng = np.random.default_rng(SEED + 6)
+    repeat = 200 if quick else 5000
+    m = KVCacheManager(num_blocks=4096, block_size=BLOCK_SIZE)
+    m.add_sequence("s", _tokens(rng, 100))
+    drafts = [_tokens(rng, 4) for _ in range(repeat + 200)]
+    it = iter(drafts)
+    app, acc = m.append_tokens, m.accept
+
+    def fn(toks):
+        app("s", toks, speculative=True)
+        acc("s", 2)
+
+    t = measure(fn, setup=lambda: next(it), repeat=repeat, warmup=20 if quick else 100, max_time_s=5)
+    return _row("append_tokens(4 drafts, speculative) + accept(2)", t.median_us, "µs", 5.0, t.spread())
+
+
+def _bench_lookup(quick: bool) -> list[dict]:
+    """``lookup`` against the admission it predicts, 1,000-token prompts whose first 61 of 62
+    full blocks are cached (the longest walk a lookup makes).
+
+    A lookup hashes the prompt's blocks, which is most of an admission's work too; it keeps
+    those hashes for the admission of the same prompt (a scheduler asks about a waiting request
+    every step), so a repeated lookup and the admission after a lookup skip the hashing. The
+    first lookup of a prompt is measured on 300 distinct cached prompts taken in turn, more than
+    the manager remembers, so that none of them is remembered.
+    """
+    rng = np.random.default_rng(SEED + 7)
+    n_prompts = 300
+    prompts = [_tokens(rng, 1000) for _ in range(n_prompts)]
+    repeat = 200 if quick else 3000
+    warmup = 20 if quick else 100
+    m = KVCacheManager(num_blocks=n_prompts * 63 + 1024, block_size=BLOCK_SIZE)
+    for i, p in enumerate(prompts):
+        m.add_sequence(("warm", i), p)
+    for i in range(n_prompts):
+        m.free(("warm", i))
+    m.take_events()
+    turn = iter(range(10**9))
+
+    def next_prompt():
+        i = next(turn)
+        return (i, prompts[i % n_prompts])
+
+    def admit(state):
+        m.add_sequence(state[0], state[1])
+
+    def teardown(state):
+        m.free(state[0])
+
+    def looked_up():
+        state = next_prompt()
+        m.lookup(state[1])
+        return state
+
+    kw = dict(repeat=repeat, warmup=warmup, max_time_s=5)
+    ta = measure(admit, setup=next_prompt, teardown=teardown, **kw)
+    tf = measure(lambda st: m.lookup(st[1]), setup=next_prompt, **kw)
+    tr = measure(lambda: m.lookup(prompts[0]), **kw)
+    tal = measure(admit, setup=looked_up, teardown=teardown, **kw)
+    cold = _tokens(rng, 1000)
+    tc = measure(lambda: m.lookup(cold), **kw)
+    return [
+        _row("admission, 1,000-token prompt, 61 blocks hit", ta.median_us, "µs", None, ta.spread()),
+        _row("lookup, same kind of prompt, first time", tf.median_us, "µs", None, tf.spread()),
+        _row("lookup / admission, first lookup of a prompt", tf.median_us / ta.median_us, "ratio", 0.7,
+             "DESIGN target <= 0.7; both are mostly the same sha256 chain (62 blocks)"),
+        _row("lookup, repeated (hashes remembered)", tr.median_us, "µs", None, tr.spread()),
+        _row("lookup / admission, repeated lookup", tr.median_us / ta.median_us, "ratio", 0.7,
+             "a waiting request looked up again on later steps"),
+        _row("admission after a lookup of its prompt", tal.median_us, "µs", None,
+             f"the hashes the lookup computed are reused; {tal.spread()}"),
+        _row("lookup, 1,000-token prompt, cold cache", tc.median_us, "µs", None,
+             f"remembered after its first call; {tc.spread()}"),
+    ]
+
+
+def _bench_builtin_key(quick: bool) -> dict:
+    """What keying the builtin hash costs: chaining a 1,100-token prompt (68 blocks) with the
+    per-process secret in front of every block's bytes, against the unkeyed formula
+    ``hash((parent, bytes))`` that a known PYTHONHASHSEED makes collidable."""
+    from array import array
+
+    from ..hashing import BlockHasher
+
+    rng = np.random.default_rng(SEED + 8)
+    data = array("I", _tokens(rng, 1100)).tobytes()
+    bb, n = 4 * BLOCK_SIZE, 1100 // BLOCK_SIZE
+    h = BlockHasher("builtin")
+    root = h.root(None)
+
+    def unkeyed():
+        p = root
+        return [p := hash((p, data[i : i + bb])) for i in range(0, n * bb, bb)]
+
+    repeat = 200 if quick else 3000
+    tk = measure(lambda: h.chain(root, data, bb, n), repeat=repeat, warmup=20, max_time_s=3)
+    tu = measure(unkeyed, repeat=repeat, warmup=20, max_time_s=3)
+    return _row("builtin hash keying, 68 blocks: keyed / unkeyed", tk.median_us / tu.median_us, "ratio", None,
+                f"keyed {tk.median_us:.2f} µs, unkeyed {tu.median_us:.2f} µs per prompt "
+                f"({(tk.median_us - tu.median_us) * 1e3 / n:.0f} ns a block)")
+
+
+# --------------------------------------------------------------------------------------------
 # construction
 
 
@@ -429,5 +562,9 @@ def rows(quick: bool = False) -> list[dict]:
     out += _bench_fork_free(quick)
     out += _bench_build(quick)
     out += _bench_replay(quick)
+    out.append(_bench_prefill_chunk(quick))
+    out.append(_bench_speculative(quick))
+    out += _bench_lookup(quick)
+    out.append(_bench_builtin_key(quick))
     return out
 
