@@ -41,17 +41,40 @@ class OutOfBlocks(RuntimeError):
 class CopyOp(NamedTuple):
     """One block copy the engine must run before the step's KV writes: ``dst[:] = src[:]``.
 
-    Queued by copy-on-write; a named tuple so that a list of them converts straight to an
-    ``[n, 2]`` int array for a batched copy kernel.
+    ``src`` and ``dst`` are physical block ids (not slots): copy all ``block_size`` slots of
+    every layer's keys and values. Queued by copy-on-write; a named tuple so that a list of them
+    converts straight to an ``[n, 2]`` int array for one batched copy kernel (the list that
+    ``take_copies`` returns is safe to run that way).
     """
 
-    src: int
-    dst: int
+    src: int  # physical block id read
+    dst: int  # physical block id written
 
 
 @dataclass(frozen=True, slots=True)
 class Usage:
     """A snapshot of what the cache holds, in the numbers the design is judged by.
+
+    Token counts cover scheduled positions (a prompt mid-prefill counts what is scheduled).
+
+    Fields:
+        num_blocks, block_size: the pool's shape.
+        num_sequences: live sequences.
+        logical_tokens: the sum of every sequence's scheduled positions, shared ones counted
+            once per sequence.
+        stored_tokens: token states physically held: a block shared by several sequences
+            counts once.
+        used_blocks: blocks with at least one reference.
+        free_blocks: clean free blocks (no content worth keeping).
+        cached_blocks: free blocks whose content a prefix hit can still revive.
+        allocated_slots: ``used_blocks * block_size``.
+        internal_fragmentation: ``1 - stored_tokens / allocated_slots``: the unused tail of
+            partial last blocks, the only waste paging accepts.
+        blocks_saved_by_sharing: ``sum(ceil(len / block_size)) - used_blocks`` over sequences.
+        prefix_query_tokens, prefix_hit_tokens: prompt tokens admitted, and how many the prefix
+            cache served (``prefix_hit_rate`` is their ratio).
+        cow_copies: copy-on-write copies queued so far; forks: forks so far; evictions:
+            cached blocks evicted so far.
 
     Worked example (block size 16): one 20-token sequence forked into two that each then
     append one token. Logical tokens 42; the first block (16 tokens) is shared; each child has its
