@@ -36,6 +36,7 @@ from typing import Any, Hashable, Iterable, Sequence
 
 import numpy as np
 
+from .eventlog import EventLog
 from .hashing import MAX_TOKEN_ID, BlockHasher
 from .pool import MAX_BLOCKS, BlockPool, as_int
 from .prefix_cache import PrefixCache
@@ -184,7 +185,8 @@ class KVCacheManager:
         # The manager passes the pool only blocks it was handed, so batch calls skip re-checking
         # ids; the tables' consistency is what check_invariants() proves.
         self._pool = BlockPool(num_blocks, check_args=False)
-        self._cache = PrefixCache(self._pool, enable_events) if enable_prefix_caching else None
+        self._log = EventLog(enable_events and enable_prefix_caching)
+        self._cache = PrefixCache(self._pool, self._log, "GPU") if enable_prefix_caching else None
         self._bs = block_size
         self._offsets = np.arange(block_size, dtype=np.int64)
         self._seqs: dict[Hashable, _Seq] = {}
@@ -757,11 +759,13 @@ class KVCacheManager:
             return False
         if self._cache is not None:
             self._cache.clear()
+            if self._log.enabled:
+                self._log.cleared()
         return True
 
     def take_events(self) -> list:
         """Drain the KV cache events (BlockStored / BlockRemoved / AllBlocksCleared)."""
-        return self._cache.take_events() if self._cache is not None else []
+        return self._log.take()
 
     # ---- exports for kernels -----------------------------------------------------------------
 

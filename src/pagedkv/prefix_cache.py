@@ -13,15 +13,16 @@ so that it can file a released block as revivable and say which one it evicted. 
   new one is simply not published; both may coexist (block tables are append-only), and the map
   keeps the older one.
 * ``unpublish(blocks)``: forget blocks whose K/V will never be written.
-* events (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``), each carrying hashes, so an
-  external router can mirror which prefixes this cache holds, and the hit statistics.
+* events (``BlockStored`` / ``BlockRemoved``, tagged with this cache's ``medium``), each carrying
+  hashes, written to the manager's :class:`~pagedkv.eventlog.EventLog` so that an external router
+  can mirror which prefixes each tier holds; and the hit statistics.
 """
 from __future__ import annotations
 
 from typing import Any, Hashable, Iterable, Sequence
 
+from .eventlog import EventLog
 from .pool import BlockPool, _consume
-from .types import AllBlocksCleared, BlockRemoved, BlockStored
 
 __all__ = ["PrefixCache"]
 
@@ -29,20 +30,20 @@ __all__ = ["PrefixCache"]
 class PrefixCache:
     """Maps full-block hashes to physical blocks held (in use or cached-free) by ``pool``."""
 
-    __slots__ = ("_pool", "_map", "_events", "_removed", "events_enabled", "query_tokens", "hit_tokens")
+    __slots__ = ("_pool", "_map", "_log", "medium", "query_tokens", "hit_tokens")
 
-    def __init__(self, pool: BlockPool, enable_events: bool = True) -> None:
+    def __init__(self, pool: BlockPool, log: EventLog | None = None, medium: str = "GPU") -> None:
         self._pool = pool
         self._map: dict[Hashable, int] = {}
-        # Pending events, oldest first. A BlockStored is queued raw, as a plain tuple
-        # (hashes, parent, token array slice, block size): building its tuple of Python ints is
-        # left to take_events, off the admission and decode paths.
-        self._events: list = []
-        self._removed: list = []  # evicted hashes not yet folded into a BlockRemoved event
-        self.events_enabled = enable_events
+        self._log = log if log is not None and log.enabled else None  # None: record nothing
+        self.medium = medium
         self.query_tokens = 0
         self.hit_tokens = 0
-        pool.on_evict_many = self._on_evict_many
+        pool.on_evict_many = self.evicted
+
+    @property
+    def events_enabled(self) -> bool:
+        return self._log is not None
 
     def __len__(self) -> int:
         return len(self._map)
@@ -116,28 +117,23 @@ class PrefixCache:
         the blocks that one decode step filled, one event each, in the given order."""
         m = self._map
         blocks, hashes = [], []
-        events = None
-        if self.events_enabled:
-            if self._removed:  # nothing is evicted below: one flush keeps the order
-                self._flush_removed()
-            events = self._events
+        raw = [] if self._log is not None else None
         for b, h, parent, toks in entries:
             if h not in m:
                 m[h] = b
                 blocks.append(b)
                 hashes.append(h)
-                if events is not None:
-                    events.append(((h,), parent, toks, block_size))
+                if raw is not None:
+                    raw.append(((h,), parent, toks, block_size, self.medium))
         if blocks:
             self._pool.set_keys(blocks, hashes)
+            if raw:
+                self._log.stored_many(raw)
 
     def _stored(self, hashes, parent, tokens, bs, i, j) -> None:
-        if self.events_enabled:
-            if self._removed:
-                self._flush_removed()
-            self._events.append(
-                (tuple(hashes[i:j]), parent if i == 0 else hashes[i - 1], tokens[i * bs : j * bs], bs)
-            )
+        if self._log is not None:
+            self._log.stored(tuple(hashes[i:j]), parent if i == 0 else hashes[i - 1],
+                             tokens[i * bs : j * bs], bs, self.medium)
 
     def unpublish(self, blocks: Sequence[int]) -> None:
         """Forget the hashes of in-use ``blocks`` (their content cannot be trusted); blocks that
@@ -145,38 +141,22 @@ class PrefixCache:
         blocks go back clean."""
         hashes = self._pool.drop_keys(blocks)
         _consume(map(self._map.__delitem__, hashes))
-        if self.events_enabled and hashes:
-            self._removed += hashes
+        if self._log is not None and hashes:
+            self._log.removed(hashes, self.medium)
 
-    def _on_evict_many(self, blocks: list, keys: list) -> None:
-        _consume(map(self._map.__delitem__, keys))  # the pool has dropped the keys already
-        if self.events_enabled:
-            self._removed.extend(keys)
+    def evicted(self, blocks: list, keys: list) -> None:
+        """The pool evicted cached ``blocks`` (it has dropped their ``keys`` already): forget
+        them. The pool calls this once per allocation; an owner that wraps the callback (a
+        host tier offloading what is evicted) calls it in turn."""
+        _consume(map(self._map.__delitem__, keys))
+        if self._log is not None:
+            self._log.removed(keys, self.medium)
 
     def clear(self) -> None:
-        """Forget every hash (the pool must hold no block in use: see the manager's reset)."""
+        """Forget every hash (the pool must hold no block in use: see the manager's reset).
+        The caller records the ``AllBlocksCleared`` event (one for every tier)."""
         self._pool.clear_cached()
         self._map.clear()
-        if self.events_enabled:
-            if self._removed:
-                self._flush_removed()
-            self._events.append(AllBlocksCleared())
-
-    # ---- events ------------------------------------------------------------------------------
-
-    def _flush_removed(self) -> None:
-        """Fold the evictions since the last event into one BlockRemoved, keeping event order."""
-        self._events.append(BlockRemoved(tuple(self._removed)))
-        self._removed = []
-
-    def has_pending_events(self) -> bool:
-        return bool(self._events or self._removed)
-
-    def take_events(self) -> list:
-        if self._removed:
-            self._flush_removed()
-        events, self._events = self._events, []
-        return [BlockStored(e[0], e[1], tuple(e[2]), e[3]) if type(e) is tuple else e for e in events]
 
     # ---- checks ------------------------------------------------------------------------------
 

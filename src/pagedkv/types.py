@@ -128,15 +128,19 @@ class BlockStored(NamedTuple):
     parent_block_hash: Any
     token_ids: tuple
     block_size: int
+    medium: str = "GPU"  # where the blocks now live: "GPU" (the device) or "CPU" (the host tier)
 
 
 class BlockRemoved(NamedTuple):
-    """Cached blocks were evicted (their content is gone; the hashes no longer hit).
+    """Cached blocks were evicted from ``medium`` (their content is gone there; the hashes no
+    longer hit in that tier).
 
-    Consecutive evictions (one admission evicting 50 blocks, say) arrive as one event.
+    Consecutive evictions from one medium (one admission evicting 50 blocks, say) arrive as one
+    event.
     """
 
     block_hashes: tuple
+    medium: str = "GPU"
 
 
 class AllBlocksCleared(NamedTuple):

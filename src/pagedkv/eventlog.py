@@ -1,0 +1,80 @@
+"""The KV event log: one ordered list of cache events for every tier of a manager.
+
+A router mirrors which prefixes a cache holds by replaying its events in order, so the order is
+part of the meaning: a hash removed and then stored again is cached; stored and then removed is
+not. With a host tier, blocks are stored to and removed from two media (the device, "GPU", and
+host memory, "CPU"), each by its own prefix cache; both append here, so the interleaving of the
+two is the order in which things happened.
+
+Two costs are kept off the hot paths:
+
+* a ``BlockStored`` is queued raw, as a plain tuple ``(hashes, parent, token array slice, block
+  size, medium)``; its tuple of Python ints is built when the events are taken, not on the
+  admission or decode path that published the block;
+* consecutive evictions from one medium fold into one ``BlockRemoved`` (an admission that evicts
+  50 blocks is one event, not 50).
+"""
+from __future__ import annotations
+
+from typing import Any, Hashable, Iterable
+
+from .types import AllBlocksCleared, BlockRemoved, BlockStored
+
+__all__ = ["EventLog"]
+
+
+class EventLog:
+    """Pending KV cache events, oldest first, drained by :meth:`take`.
+
+    ``enabled=False`` records nothing (an engine that never drains events should not pay for
+    them or accumulate them).
+    """
+
+    __slots__ = ("enabled", "_events", "_removed", "_removed_medium")
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._events: list = []
+        self._removed: list = []  # evicted hashes not yet folded into a BlockRemoved
+        self._removed_medium = "GPU"
+
+    def stored(self, hashes: tuple, parent: Hashable, tokens: Any, block_size: int, medium: str) -> None:
+        """Blocks ``hashes`` (a chain from ``parent``) were published; ``tokens`` their tokens."""
+        if self._removed:
+            self._flush_removed()
+        self._events.append((hashes, parent, tokens, block_size, medium))
+
+    def stored_many(self, raw: Iterable[tuple]) -> None:
+        """Several unrelated publications at once, each ``(hashes, parent, tokens, block_size,
+        medium)``: the blocks one decode step filled."""
+        if self._removed:
+            self._flush_removed()
+        self._events += raw
+
+    def removed(self, hashes: Iterable[Hashable], medium: str) -> None:
+        """Cached blocks were evicted or unpublished from ``medium``."""
+        if self._removed and medium != self._removed_medium:
+            self._flush_removed()
+        self._removed_medium = medium
+        self._removed.extend(hashes)
+
+    def cleared(self) -> None:
+        """Every cache was dropped (``reset_prefix_cache``)."""
+        if self._removed:
+            self._flush_removed()
+        self._events.append(AllBlocksCleared())
+
+    def _flush_removed(self) -> None:
+        self._events.append(BlockRemoved(tuple(self._removed), self._removed_medium))
+        self._removed = []
+
+    def __len__(self) -> int:
+        """Events pending (evictions not yet folded count as one)."""
+        return len(self._events) + bool(self._removed)
+
+    def take(self) -> list:
+        """Drain every pending event, oldest first, as event named tuples."""
+        if self._removed:
+            self._flush_removed()
+        events, self._events = self._events, []
+        return [BlockStored(e[0], e[1], tuple(e[2]), e[3], e[4]) if type(e) is tuple else e for e in events]
