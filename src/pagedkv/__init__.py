@@ -3,7 +3,8 @@
 The core (``KVCacheManager`` and the ``BlockPool`` beneath it) needs only numpy. Everything that
 measures the design (store, model, simulator, report) sits on top and imports only the public API.
 """
-from .types import AllBlocksCleared, BlockRemoved, BlockStored, CopyOp, OutOfBlocks, Usage
+from .types import (AllBlocksCleared, BlockRemoved, BlockStored, CopyOp, OutOfBlocks, PrefixHit,
+                    Transfer, Usage)
 from .pool import BlockPool
 from .manager import KVCacheManager
 
@@ -12,6 +13,8 @@ __all__ = [
     "BlockPool",
     "OutOfBlocks",
     "CopyOp",
+    "Transfer",
+    "PrefixHit",
     "Usage",
     "BlockStored",
     "BlockRemoved",

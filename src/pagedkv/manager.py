@@ -38,9 +38,10 @@ import numpy as np
 
 from .eventlog import EventLog
 from .hashing import MAX_TOKEN_ID, BlockHasher
+from .host_tier import WRITE_POLICIES, HostTier
 from .pool import MAX_BLOCKS, BlockPool, as_int
 from .prefix_cache import PrefixCache
-from .types import CopyOp, OutOfBlocks, Usage
+from .types import CopyOp, OutOfBlocks, PrefixHit, Transfer, Usage
 
 __all__ = ["KVCacheManager"]
 
@@ -67,7 +68,7 @@ class _Seq:
     chunks schedule them).
     """
 
-    __slots__ = ("table", "tokens", "hashes", "root", "mirror", "nxt", "unscheduled", "drafts")
+    __slots__ = ("table", "tokens", "hashes", "root", "mirror", "nxt", "unscheduled", "drafts", "host")
 
     def __init__(self, table: list, tokens: array, hashes: list, root: Hashable, mirror=None,
                  nxt: int = -1, unscheduled: int = 0) -> None:
@@ -86,6 +87,9 @@ class _Seq:
         self.nxt = nxt
         self.unscheduled = unscheduled
         self.drafts = 0
+        # Swapped out: logical block index -> host block, for the blocks moved to the host tier
+        # (their table entries are -1 meanwhile). None while the sequence is on the device.
+        self.host: dict[int, int] | None = None
 
     @property
     def computed(self) -> int:
@@ -165,6 +169,8 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         hash_algo: str = "sha256",
         enable_events: bool = True,
+        host_blocks: int = 0,
+        host_write_policy: str = "write-back",
     ) -> None:
         block_size = as_int(block_size, "block_size")
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
@@ -180,13 +186,28 @@ class KVCacheManager:
             )
         if not isinstance(enable_prefix_caching, bool) or not isinstance(enable_events, bool):
             raise ValueError("enable_prefix_caching and enable_events must be bools")
+        host_blocks = _count(host_blocks, "host_blocks")
+        if host_blocks > MAX_BLOCKS:
+            raise ValueError(f"host_blocks must be at most {MAX_BLOCKS}, got {host_blocks}")
+        if host_write_policy not in WRITE_POLICIES:
+            raise ValueError(f"host_write_policy must be one of {WRITE_POLICIES}, got {host_write_policy!r}")
         self._hasher = BlockHasher(hash_algo)
         self._digest = self._hasher.digest
         # The manager passes the pool only blocks it was handed, so batch calls skip re-checking
         # ids; the tables' consistency is what check_invariants() proves.
         self._pool = BlockPool(num_blocks, check_args=False)
         self._log = EventLog(enable_events and enable_prefix_caching)
-        self._cache = PrefixCache(self._pool, self._log, "GPU") if enable_prefix_caching else None
+        tiered = host_blocks > 0
+        self._cache = (PrefixCache(self._pool, self._log, "GPU", keep_content=tiered)
+                       if enable_prefix_caching else None)
+        # The host tier, when asked for: offloads what the device evicts, serves prefix hits
+        # from host memory, holds swapped-out sequences. None costs the hot paths nothing.
+        self._tier = (HostTier(host_blocks, block_size, self._log, host_write_policy, enable_prefix_caching)
+                      if tiered else None)
+        if self._tier is not None and self._cache is not None:
+            self._pool.on_evict_many = self._offload_evicted
+        self._write_through = tiered and enable_prefix_caching and host_write_policy == "write-through"
+        self._swapped = 0
         self._bs = block_size
         self._offsets = np.arange(block_size, dtype=np.int64)
         self._seqs: dict[Hashable, _Seq] = {}
@@ -277,6 +298,8 @@ class KVCacheManager:
         ``hit = add_sequence(...)`` the engine computes K/V for ``slots(id, hit)``.
         """
         s = self._seq(seq_id)
+        if s.host is not None:
+            raise ValueError(self._not_ready(seq_id, s, "read the slots of"))
         n = s.computed
         start = as_int(start, "start")
         stop = n if stop is None else as_int(stop, "stop")
@@ -296,11 +319,17 @@ class KVCacheManager:
         return rows[lo : lo + stop - start]
 
     def _seq_list(self, seq_ids: Iterable[Hashable]) -> list[_Seq]:
+        """Sequences for a kernel export: known, hashable, and on the device."""
         seqs = self._seqs
         try:
-            return [seqs[i] for i in seq_ids]
+            out = [seqs[i] for i in seq_ids]
         except TypeError:
             raise ValueError("sequence ids must be hashable") from None
+        if self._swapped:
+            for sid, s in zip(seq_ids, out):
+                if s.host is not None:
+                    raise ValueError(self._not_ready(sid, s, "export the block table of"))
+        return out
 
     def _seq(self, seq_id: Hashable) -> _Seq:
         try:
@@ -310,12 +339,14 @@ class KVCacheManager:
 
     # ---- admission ---------------------------------------------------------------------------
 
-    def lookup(self, prompt_ids: Sequence[int], cache_salt: Any = None) -> int:
+    def lookup(self, prompt_ids: Sequence[int], cache_salt: Any = None) -> PrefixHit:
         """How many prompt tokens ``add_sequence`` would serve from the cache now.
 
         Side-effect free: no LRU order, statistics or events change. A scheduler asks this to
-        budget a step before it admits (vLLM's ``get_computed_blocks``). Example (block size
-        16): a 40-token prompt whose first 32 tokens are cached -> 32.
+        budget a step before it admits (vLLM's ``get_computed_blocks``). Returns a
+        :class:`~pagedkv.types.PrefixHit`: an int, with ``.device`` and ``.host`` telling how
+        many of the tokens are on the device and how many a host tier would load. Example
+        (block size 16): a 40-token prompt whose first 32 tokens are cached -> 32.
         """
         tokens = _token_array(prompt_ids)
         n = len(tokens)
@@ -323,10 +354,18 @@ class KVCacheManager:
             raise ValueError("the prompt must have at least one token")
         root = self._hasher.root(cache_salt)  # validates the salt either way
         if self._cache is None:
-            return 0
+            return PrefixHit(0)
         bs = self._bs
         hashes = self._prompt_hashes(root, _le_bytes(tokens), n // bs, remember=True)
-        return len(self._cache.longest_prefix(hashes, (n - 1) // bs)) * bs
+        device, host = self._hits(hashes, (n - 1) // bs)
+        return PrefixHit(len(device) * bs, len(host) * bs)
+
+    def _hits(self, hashes: list, limit: int) -> tuple[list[int], list[int]]:
+        """The longest cached prefix: device blocks, then host blocks continuing it."""
+        device = self._cache.longest_prefix(hashes, limit)
+        if self._tier is None or len(device) == limit:
+            return device, []
+        return device, self._tier.longest_prefix(hashes[len(device) :], limit - len(device))
 
     def _prompt_hashes(self, root: Hashable, data: bytes, nfull: int, remember: bool) -> list:
         """The chained hashes of a prompt's ``nfull`` full blocks, from the memo if a lookup
@@ -375,16 +414,20 @@ class KVCacheManager:
         hashes: list = []
         hits: list[int] = []
         root = self._hasher.root(cache_salt)  # validates the salt, cached or not
+        loads: list[int] = []  # host blocks continuing the device hits
         if cache is not None:
             hashes = self._prompt_hashes(root, _le_bytes(tokens), n // bs, remember=False)
-            hits = cache.longest_prefix(hashes, (n - 1) // bs)
-        hit = len(hits) * bs
+            hits, loads = self._hits(hashes, (n - 1) // bs)
+        hit = (len(hits) + len(loads)) * bs
         computed = n if prefill is None else hit + min(prefill, n - hit)
         need = -(-computed // bs) - len(hits)
-        try:
-            table = hits + self._pool.allocate(need, acquire=hits)
-        except OutOfBlocks as e:
-            raise OutOfBlocks(e.needed, e.available, f"admitting {seq_id!r}") from None
+        if loads:
+            table = hits + self._admit_with_loads(hits, loads, need, seq_id)
+        else:
+            try:
+                table = hits + self._pool.allocate(need, acquire=hits)
+            except OutOfBlocks as e:
+                raise OutOfBlocks(e.needed, e.available, f"admitting {seq_id!r}") from None
         s = _Seq(table, tokens, hashes, root, unscheduled=n - computed)
         if cache is not None:
             self._publish_run(s, len(hits), computed // bs)
@@ -427,6 +470,34 @@ class KVCacheManager:
                 s.nxt = s.table[-1] * bs + stop % bs  # fresh for this sequence: private
         return self._slots(s, start, stop)
 
+    def _offload_evicted(self, blocks: list, keys: list) -> None:
+        """The device pool evicted cached blocks: the device cache forgets them, and the host
+        tier keeps what it does not hold yet (write-back)."""
+        contents = self._cache.evicted(blocks, keys)
+        self._tier.offload(blocks, keys, contents)
+
+    def _admit_with_loads(self, hits: list[int], loads: list[int], need: int, seq_id: Hashable) -> list[int]:
+        """Device blocks for an admission some of whose hits are on the host: ``len(loads)``
+        destinations for ``to_device`` transfers (never a block a pending copy still reads),
+        then fresh blocks; atomic. Host blocks are pinned first, so that offloads the device
+        allocation causes cannot evict them from the host."""
+        pool, j = self._pool, len(loads)
+        available = pool.num_free - sum(map(pool.is_cached, hits))
+        if self._copy_src:
+            available -= pool.count_free(self._copy_src)
+        if need > available:
+            raise OutOfBlocks(need, available, f"admitting {seq_id!r}")
+        self._tier.pin(loads)
+        if self._copy_src:
+            pool.acquire(hits)
+            new = [pool.allocate_one_avoiding(self._copy_src) for _ in range(j)]
+            new += pool.allocate(need - j)
+        else:
+            new = pool.allocate(need, acquire=hits)
+        self._tier.queue_loads(loads, new[:j])
+        self._tier.hit_tokens += j * self._bs
+        return new
+
     def _publish_run(self, s: _Seq, first: int, stop: int) -> None:
         """Offer the sequence's full blocks ``first..stop`` (chained) to the prefix cache."""
         if stop > first:
@@ -434,6 +505,8 @@ class KVCacheManager:
             parent = s.hashes[first - 1] if first else s.root
             self._cache.publish(s.table[first:stop], s.hashes[first:stop], parent,
                                 s.tokens[first * bs : stop * bs], bs)
+            if self._write_through:
+                self._tier.published(s.table[first:stop], s.hashes[first:stop])
 
     # ---- appends -----------------------------------------------------------------------------
 
@@ -453,7 +526,7 @@ class KVCacheManager:
             raise ValueError(f"token id {token_id} outside [0, {MAX_TOKEN_ID}]")
         slot = s.nxt  # _append, inlined: this is the per-token path
         if slot < 0:
-            if s.unscheduled or s.drafts:  # such sequences never have a fast-path slot
+            if s.unscheduled or s.drafts or s.host is not None:  # never a fast-path slot
                 raise ValueError(self._not_ready(seq_id, s, "append to"))
             slot = self._slot_slow(s)
         s.tokens.append(token_id)
@@ -477,7 +550,7 @@ class KVCacheManager:
         if not isinstance(speculative, (bool, np.bool_)):
             raise ValueError(f"speculative must be a bool, got {speculative!r}")
         toks = _token_array(token_ids)
-        if s.unscheduled or (s.drafts and not speculative):
+        if s.unscheduled or (s.drafts and not speculative) or s.host is not None:
             raise ValueError(self._not_ready(seq_id, s, "append to"))
         if not toks:
             return []
@@ -555,7 +628,7 @@ class KVCacheManager:
             raise ValueError("a sequence id appears twice in one append_batch")
         if self._unready:
             for sid, s in zip(seq_ids, ss):
-                if s.unscheduled or s.drafts:
+                if s.unscheduled or s.drafts or s.host is not None:
                     raise ValueError(self._not_ready(sid, s, "append to"))
         if self._pool.num_free < n or self._copy_src:  # only then can the batch fail: count
             fresh, copies = self._blocks_for_step(ss)
@@ -582,6 +655,8 @@ class KVCacheManager:
         return np.fromiter(out, dtype=np.int64, count=n)
 
     def _not_ready(self, seq_id: Hashable, s: _Seq, what: str) -> str:
+        if s.host is not None:
+            return f"cannot {what} {seq_id!r}: it is swapped out (call swap_in first)"
         if s.unscheduled:
             return (f"cannot {what} {seq_id!r}: {s.unscheduled} prompt positions are not "
                     f"scheduled yet (call prefill first)")
@@ -688,6 +763,8 @@ class KVCacheManager:
             hashes.append(h)
             push((s.table[-1], h, parent, block_tokens))
         self._cache.publish_each(entries, bs)
+        if self._write_through:
+            self._tier.published([e[0] for e in entries], [e[1] for e in entries])
 
     def take_copies(self) -> list[CopyOp]:
         """Drain the copies queued by copy-on-write; run them before writing this step's KV.
@@ -698,6 +775,112 @@ class KVCacheManager:
         copies, self._copies = self._copies, []
         self._copy_dst, self._copy_src = {}, {}
         return copies
+
+    def take_transfers(self) -> list[Transfer]:
+        """Drain the block transfers between the device and the host tier (offloads, prefix hits
+        loaded from the host, swaps); run them before this step's copies and K/V writes, every
+        ``to_host`` entry before every ``to_device`` entry (each direction is one batch).
+        Always empty without a host tier."""
+        if self._tier is None:
+            return []
+        return self._tier.take_transfers(self._cache)
+
+    def swap_out(self, seq_id: Hashable) -> None:
+        """Preempt a sequence by moving its private blocks to the host tier.
+
+        Its blocks held by no other sequence get host blocks and ``to_host`` transfers, and the
+        device blocks are released (a block with a hash stays revivable on the device, and is
+        published on the host too). Blocks shared with other sequences stay on the device, and
+        the sequence keeps its reference to them. Swap a sequence out before anything is
+        appended to it in the step (its K/V must all exist, as for ``fork``); one given blocks
+        this step is refused with ValueError. Atomic: OutOfBlocks (the host has too few free
+        blocks) changes nothing. Until ``swap_in``, the sequence cannot be appended to, forked
+        or exported.
+        """
+        s = self._seq(seq_id)
+        if self._tier is None:
+            raise ValueError("swap_out needs a host tier (KVCacheManager(..., host_blocks=N))")
+        if s.host is not None:
+            raise ValueError(f"sequence {seq_id!r} is already swapped out")
+        if s.unscheduled or s.drafts:
+            raise ValueError(self._not_ready(seq_id, s, "swap out"))
+        refcount, table = self._pool.refcount, s.table
+        tier = self._tier
+        if any(b in self._copy_dst or tier.is_load_destination(b) or tier.is_store_source(b) for b in table):
+            raise ValueError(f"cannot swap out {seq_id!r}: a copy or transfer of its blocks is "
+                             f"pending, so it was given blocks this step; swap out before appending")
+        private = [i for i, b in enumerate(table) if refcount(b) == 1]
+        keys, content = self._block_hashes(s, private)
+        host = self._tier.swap_out([table[i] for i in private], keys, content, f"swapping out {seq_id!r}")
+        released = [table[i] for i in private]
+        for i in private:
+            table[i] = -1
+        s.mirror = None
+        s.host = dict(zip(private, host))
+        s.nxt = -1
+        self._unready += 1
+        self._swapped += 1
+        self._pool.release_all(released[::-1])
+
+    def _block_hashes(self, s: _Seq, indices: Sequence[int]) -> tuple[list, list]:
+        """For each table index: the hash its device block is published under (or None), and
+        that block's ``(parent, tokens)`` for the host's own event."""
+        keys, content = [], []
+        cache = self._cache
+        for i in indices:
+            h = s.hashes[i] if cache is not None and i < len(s.hashes) else None
+            if h is not None and cache.get(h) == s.table[i]:
+                keys.append(h)
+                content.append(cache.content_of(s.table[i]))
+            else:
+                keys.append(None)
+                content.append(None)
+        return keys, content
+
+    def swap_in(self, seq_id: Hashable) -> None:
+        """Bring a swapped-out sequence back: device blocks for its host blocks, with
+        ``to_device`` transfers (a block whose hash is still cached on the device is revived
+        instead, with no transfer). Atomic: OutOfBlocks changes nothing."""
+        s = self._seq(seq_id)
+        if s.host is None:
+            raise ValueError(f"sequence {seq_id!r} is not swapped out")
+        pool, cache, bs = self._pool, self._cache, self._bs
+        order = sorted(s.host)
+        nfull = s.computed // bs
+        revive = {}  # table index -> device block still holding its content
+        if cache is not None:
+            for i in order:
+                if i < nfull:
+                    d = cache.get(s.hashes[i])
+                    if d is not None:
+                        revive[i] = d
+        loads = [i for i in order if i not in revive]
+        available = pool.num_free - sum(map(pool.is_cached, revive.values()))
+        if self._copy_src:
+            available -= pool.count_free(self._copy_src)
+        if len(loads) > available:
+            raise OutOfBlocks(len(loads), available, f"swapping in {seq_id!r}")
+        pool.acquire(list(revive.values()))
+        if self._copy_src:
+            new = [pool.allocate_one_avoiding(self._copy_src) for _ in loads]
+        else:
+            new = pool.allocate(len(loads))
+        for i, d in revive.items():
+            s.table[i] = d
+        for i, d in zip(loads, new):
+            s.table[i] = d
+        self._tier.swap_in([s.host[i] for i in loads], new)
+        self._tier.release([s.host[i] for i in revive])
+        s.host = None
+        self._unready -= 1
+        self._swapped -= 1
+        if cache is not None:  # loaded full blocks are findable again, once their K/V is back
+            for i in loads:
+                if i < nfull and cache.get(s.hashes[i]) is None:
+                    self._publish_run(s, i, i + 1)
+        n = s.computed
+        if n % bs and pool.refcount(s.table[-1]) == 1:
+            s.nxt = s.table[-1] * bs + n % bs
 
     def _drop_copies_into(self, blocks: Iterable[int]) -> None:
         """Blocks about to be released by their only holder: a pending copy into them has
@@ -722,7 +905,7 @@ class KVCacheManager:
         p = self._seq(parent_id)
         if _known(self._seqs, child_id):
             raise ValueError(f"sequence {child_id!r} already exists")
-        if p.unscheduled or p.drafts:
+        if p.unscheduled or p.drafts or p.host is not None:
             raise ValueError(self._not_ready(parent_id, p, "fork"))
         self._pool.incref_all(p.table)
         p.nxt = -1  # the partial last block, if any, is shared now: the next write decides
@@ -742,23 +925,37 @@ class KVCacheManager:
             raise ValueError(f"cache must be a bool, got {cache!r}")
         s = self._seq(seq_id)
         del self._seqs[seq_id]
-        if s.unscheduled or s.drafts:
+        if s.unscheduled or s.drafts or s.host is not None:
             self._unready -= 1
+        table = s.table
+        if s.host is not None:  # swapped out: its host blocks go, its shared device blocks stay
+            self._swapped -= 1
+            self._tier.release([s.host[i] for i in sorted(s.host)])
+            table = [b for b in table if b >= 0]
         refcount = self._pool.refcount
         if self._copy_dst:
-            self._drop_copies_into([b for b in s.table if b in self._copy_dst and refcount(b) == 1])
+            self._drop_copies_into([b for b in table if b in self._copy_dst and refcount(b) == 1])
+        tier = self._tier
+        if tier is not None and tier.has_pending():
+            tier.drop_loads_into([b for b in table if tier.is_load_destination(b) and refcount(b) == 1])
         if not cache and self._cache is not None:
-            self._cache.unpublish([b for b in s.table if refcount(b) == 1])
-        self._pool.release_all(s.table[::-1])
+            mine = [b for b in table if refcount(b) == 1]
+            self._cache.unpublish(mine)
+            if self._write_through:
+                tier.forget_published(mine)
+        self._pool.release_all(table[::-1])
 
     # ---- prefix cache ------------------------------------------------------------------------
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; refused (False, nothing changed) while any block is in use."""
-        if self._pool.num_used:
+        tier = self._tier
+        if self._pool.num_used or (tier is not None and (tier.num_used or tier.has_pending())):
             return False
         if self._cache is not None:
             self._cache.clear()
+            if tier is not None:
+                tier.reset()
             if self._log.enabled:
                 self._log.cleared()
         return True
@@ -816,13 +1013,27 @@ class KVCacheManager:
         partial: dict[int, int] = {}  # distinct partial last blocks -> tokens they hold
         for s in self._seqs.values():
             n = s.computed
+            if s.host is not None:  # swapped out: only the shared blocks left on the device
+                for i, b in enumerate(s.table):
+                    if b >= 0:
+                        logical += min(bs, n - i * bs)
+                        logical_blocks += 1
+                        if n - i * bs < bs:
+                            partial[b] = n % bs
+                continue
             logical += n
             logical_blocks += len(s.table)
             if n % bs:
                 partial[s.table[-1]] = n % bs
         stored = used * bs - sum(bs - k for k in partial.values())
         allocated = used * bs
-        cache = self._cache
+        cache, tier = self._cache, self._tier
+        host = {}
+        if tier is not None:
+            host = dict(host_blocks=tier.num_blocks, host_used_blocks=tier.num_used,
+                        host_cached_blocks=tier.num_cached, host_hit_tokens=tier.hit_tokens,
+                        swapped_sequences=self._swapped, transfers_to_host=tier.to_host_count,
+                        transfers_to_device=tier.to_device_count)
         return Usage(
             num_blocks=pool.num_blocks,
             block_size=bs,
@@ -840,6 +1051,7 @@ class KVCacheManager:
             cow_copies=self._cow_copies,
             forks=self._forks,
             evictions=pool.evictions,
+            **host,
         )
 
     def check_invariants(self) -> None:
@@ -851,26 +1063,39 @@ class KVCacheManager:
         a last block, shared by sequences of equal length within it; the counters of unready
         sequences; every sequence's stored hashes are the chained hashes of its non-draft
         tokens; only fully scheduled, non-draft blocks carry a hash; the hash map and the pool's
-        keys are one bijection; and the pending copies are batch-safe.
+        keys are one bijection; the pending copies are batch-safe; and, with a host tier, the
+        same for the host: each host block's refcount is the swapped-out sequences holding it
+        plus the pending transfers pinning it, and swapped-out positions hold no device block.
         """
         pool = self._pool
         pool.check_invariants()
         refs = Counter(chain.from_iterable(s.table for s in self._seqs.values()))
+        refs.pop(-1, None)  # positions of swapped-out sequences that live on the host
         for b, c in enumerate(pool.refcounts()):
             _require(refs.get(b, 0) == c, f"block {b}: refcount {c}, referenced {refs.get(b, 0)} times")
         bs = self._bs
         partial_fill: dict[int, int] = {}
-        unready = 0
+        unready = swapped = 0
+        host_refs: dict[int, int] = {}
         for sid, s in self._seqs.items():
             n, done = len(s.tokens), s.computed
             _require(n >= 1, f"sequence {sid!r} is empty")
             _require(0 <= s.unscheduled <= n and 0 <= s.drafts <= done, f"sequence {sid!r}: bad counters")
             _require(not (s.unscheduled and s.drafts), f"sequence {sid!r}: drafts mid-prefill")
-            unready += bool(s.unscheduled or s.drafts)
+            unready += bool(s.unscheduled or s.drafts or s.host is not None)
+            if s.host is not None:
+                swapped += 1
+                _require(not s.unscheduled and not s.drafts and s.nxt < 0, f"{sid!r}: swapped out mid-step")
+                _require(sorted(s.host) == [i for i, b in enumerate(s.table) if b < 0],
+                         f"sequence {sid!r}: swapped positions and host blocks disagree")
+                for hb in s.host.values():
+                    host_refs[hb] = host_refs.get(hb, 0) + 1
+            else:
+                _require(min(s.table, default=0) >= 0, f"sequence {sid!r}: a position without a block")
             _require(len(s.table) == -(-done // bs), f"sequence {sid!r}: {len(s.table)} blocks for {done} positions")
             if s.mirror is not None:
                 _require(s.mirror[: len(s.table)].tolist() == s.table, f"sequence {sid!r}: int32 mirror differs")
-            if done % bs:
+            if done % bs and s.table[-1] >= 0:
                 b = s.table[-1]
                 _require(partial_fill.setdefault(b, done % bs) == done % bs, f"partial block {b} shared at two fills")
             if s.nxt >= 0:
@@ -878,6 +1103,11 @@ class KVCacheManager:
                       and pool.refcount(s.table[-1]) == 1)
                 _require(bool(ok), f"sequence {sid!r}: fast-path slot {s.nxt} is not its private next slot")
         _require(unready == self._unready, f"{unready} sequences unready, {self._unready} counted")
+        _require(swapped == self._swapped, f"{swapped} sequences swapped out, {self._swapped} counted")
+        if self._tier is not None:
+            self._tier.check_invariants(host_refs)
+        else:
+            _require(not swapped, "a sequence is swapped out without a host tier")
         for sid, s in self._seqs.items():
             for b in s.table[: s.computed // bs]:
                 _require(b not in partial_fill, f"block {b} is full in {sid!r} but partial elsewhere")
@@ -907,6 +1137,8 @@ class KVCacheManager:
             _require(s.hashes == expect, f"sequence {sid!r}: stored hashes are not its tokens' hashes")
             offered = (s.computed - s.drafts) // bs
             for i, b in enumerate(s.table):
+                if b < 0:
+                    continue
                 k = keys.get(b)
                 if i >= offered:
                     _require(k is None, f"block {b} of {sid!r} is published before it is scheduled")

@@ -399,12 +399,13 @@ class BlockPool:
 
     def set_keys(self, blocks: Sequence[int], keys: Sequence[Hashable]) -> None:
         """Key several in-use blocks at once (a prompt's newly published blocks)."""
-        if len(blocks) != len(keys):
-            raise ValueError(f"{len(blocks)} blocks but {len(keys)} keys")
-        if self._check_args and not self._distinct_in_use(blocks):
-            blocks = [self._check_in_use(b) for b in blocks]
-        if None in keys:
-            raise ValueError("key must not be None")
+        if self._check_args:
+            if len(blocks) != len(keys):
+                raise ValueError(f"{len(blocks)} blocks but {len(keys)} keys")
+            if not self._distinct_in_use(blocks):
+                blocks = [self._check_in_use(b) for b in blocks]
+            if None in keys:
+                raise ValueError("key must not be None")
         self._keys.update(zip(blocks, keys))
 
     def drop_key(self, block: int) -> None:

@@ -30,11 +30,15 @@ __all__ = ["PrefixCache"]
 class PrefixCache:
     """Maps full-block hashes to physical blocks held (in use or cached-free) by ``pool``."""
 
-    __slots__ = ("_pool", "_map", "_log", "medium", "query_tokens", "hit_tokens")
+    __slots__ = ("_pool", "_map", "_log", "_content", "medium", "query_tokens", "hit_tokens")
 
-    def __init__(self, pool: BlockPool, log: EventLog | None = None, medium: str = "GPU") -> None:
+    def __init__(self, pool: BlockPool, log: EventLog | None = None, medium: str = "GPU",
+                 keep_content: bool = False) -> None:
         self._pool = pool
         self._map: dict[Hashable, int] = {}
+        # block -> (parent hash, its tokens) for every mapped block, kept only when another tier
+        # needs to republish a block it receives (a BlockStored names the parent and tokens).
+        self._content: dict[int, tuple] | None = {} if keep_content else None
         self._log = log if log is not None and log.enabled else None  # None: record nothing
         self.medium = medium
         self.query_tokens = 0
@@ -94,6 +98,8 @@ class PrefixCache:
             m.update(zip(hashes, blocks))
             self._pool.set_keys(blocks, hashes)
             self._stored(hashes, parent, tokens, block_size, 0, len(blocks))
+            if self._content is not None:
+                self._keep(blocks, hashes, parent, tokens, block_size, range(len(blocks)))
             return
         run_start = -1
         new_blocks, new_hashes = [], []
@@ -111,24 +117,41 @@ class PrefixCache:
         self._pool.set_keys(new_blocks, new_hashes)
         if run_start >= 0:
             self._stored(hashes, parent, tokens, block_size, run_start, len(blocks))
+        if self._content is not None:
+            new = set(new_blocks)
+            self._keep(blocks, hashes, parent, tokens, block_size,
+                       [i for i, b in enumerate(blocks) if b in new])
+
+    def _keep(self, blocks, hashes, parent, tokens, bs, indices) -> None:
+        for i in indices:
+            self._content[blocks[i]] = (hashes[i - 1] if i else parent, tokens[i * bs : (i + 1) * bs])
+
+    def content_of(self, block: int) -> tuple:
+        """``(parent hash, tokens)`` of a mapped block (only with ``keep_content``)."""
+        return self._content[block]
 
     def publish_each(self, entries: Iterable[tuple[int, Hashable, Hashable, Any]], block_size: int) -> None:
         """Publish unrelated single blocks, each ``(block, hash, parent hash, its tokens)``:
         the blocks that one decode step filled, one event each, in the given order."""
         m = self._map
         blocks, hashes = [], []
-        raw = [] if self._log is not None else None
-        for b, h, parent, toks in entries:
+        for b, h, _, _ in entries:
             if h not in m:
                 m[h] = b
                 blocks.append(b)
                 hashes.append(h)
-                if raw is not None:
-                    raw.append(((h,), parent, toks, block_size, self.medium))
-        if blocks:
-            self._pool.set_keys(blocks, hashes)
-            if raw:
-                self._log.stored_many(raw)
+        if not blocks:
+            return
+        self._pool.set_keys(blocks, hashes)
+        if len(blocks) < len(entries):  # some were cached already: keep the ones just mapped
+            entries = [e for e in entries if m[e[1]] == e[0]]
+        log = self._log
+        if log is not None:
+            medium = self.medium
+            log.stored_many([((h,), parent, toks, block_size, medium) for _, h, parent, toks in entries])
+        if self._content is not None:
+            for b, _, parent, toks in entries:
+                self._content[b] = (parent, toks)
 
     def _stored(self, hashes, parent, tokens, bs, i, j) -> None:
         if self._log is not None:
@@ -139,30 +162,41 @@ class PrefixCache:
         """Forget the hashes of in-use ``blocks`` (their content cannot be trusted); blocks that
         carry no hash are skipped. One ``BlockRemoved`` event names them. Once released, the
         blocks go back clean."""
+        if self._content is not None:
+            for b in blocks:
+                self._content.pop(b, None)
         hashes = self._pool.drop_keys(blocks)
         _consume(map(self._map.__delitem__, hashes))
         if self._log is not None and hashes:
             self._log.removed(hashes, self.medium)
 
-    def evicted(self, blocks: list, keys: list) -> None:
+    def evicted(self, blocks: list, keys: list) -> list | None:
         """The pool evicted cached ``blocks`` (it has dropped their ``keys`` already): forget
         them. The pool calls this once per allocation; an owner that wraps the callback (a
-        host tier offloading what is evicted) calls it in turn."""
+        host tier offloading what is evicted) calls it in turn, and gets the blocks'
+        ``(parent, tokens)`` back when the cache keeps content."""
         _consume(map(self._map.__delitem__, keys))
         if self._log is not None:
             self._log.removed(keys, self.medium)
+        if self._content is not None:
+            return [self._content.pop(b) for b in blocks]
+        return None
 
     def clear(self) -> None:
         """Forget every hash (the pool must hold no block in use: see the manager's reset).
         The caller records the ``AllBlocksCleared`` event (one for every tier)."""
         self._pool.clear_cached()
         self._map.clear()
+        if self._content is not None:
+            self._content.clear()
 
     # ---- checks ------------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
         """The hash map and the pool's keys are one bijection."""
         keys = self._pool.keyed_blocks()
+        if self._content is not None and set(self._content) != set(keys):
+            raise AssertionError("kept content differs from the mapped blocks")
         if len(self._map) != len(keys):
             raise AssertionError(f"{len(self._map)} hashes mapped, {len(keys)} blocks keyed")
         for h, b in self._map.items():

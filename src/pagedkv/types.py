@@ -11,6 +11,10 @@ from typing import Any, NamedTuple
 __all__ = [
     "OutOfBlocks",
     "CopyOp",
+    "Transfer",
+    "PrefixHit",
+    "TO_HOST",
+    "TO_DEVICE",
     "Usage",
     "BlockStored",
     "BlockRemoved",
@@ -51,6 +55,48 @@ class CopyOp(NamedTuple):
     dst: int  # physical block id written
 
 
+TO_HOST = "to_host"
+TO_DEVICE = "to_device"
+
+
+class Transfer(NamedTuple):
+    """One block the engine must move between the device and the host tier, before the step's
+    KV writes: ``direction`` is ``"to_host"`` (``src`` a device block id, ``dst`` a host block
+    id) or ``"to_device"`` (``src`` a host block, ``dst`` a device block). All layers' keys and
+    values of the block move.
+
+    ``take_transfers`` lists every ``to_host`` entry before every ``to_device`` entry. Each
+    direction is one batch (no block is a destination twice, no destination is another entry's
+    source); run the ``to_host`` batch first (a block leaving the device may be the one a
+    ``to_device`` entry fills), then the ``to_device`` batch, then the copies of ``take_copies``.
+    """
+
+    direction: str  # "to_host" | "to_device"
+    src: int
+    dst: int
+
+
+class PrefixHit(int):
+    """Prompt tokens the cache serves (an int), with where they are: ``device`` tokens are in
+    device blocks already; ``host`` tokens are loaded from the host tier by ``to_device``
+    transfers. ``lookup`` returns one. Example: 48 tokens, 32 on the device and 16 on the host."""
+
+    device: int
+    host: int
+
+    def __new__(cls, device: int, host: int = 0) -> "PrefixHit":
+        obj = super().__new__(cls, device + host)
+        obj.device = device
+        obj.host = host
+        return obj
+
+    def __reduce__(self):
+        return (PrefixHit, (self.device, self.host))
+
+    def __repr__(self) -> str:
+        return f"PrefixHit({int(self)}, device={self.device}, host={self.host})"
+
+
 @dataclass(frozen=True, slots=True)
 class Usage:
     """A snapshot of what the cache holds, in the numbers the design is judged by.
@@ -74,7 +120,13 @@ class Usage:
         prefix_query_tokens, prefix_hit_tokens: prompt tokens admitted, and how many the prefix
             cache served (``prefix_hit_rate`` is their ratio).
         cow_copies: copy-on-write copies queued so far; forks: forks so far; evictions:
-            cached blocks evicted so far.
+            cached blocks evicted from the device so far.
+        host_blocks, host_used_blocks, host_cached_blocks: the host tier's size, blocks held
+            (swapped-out sequences, transfers not drained yet) and revivable cached blocks.
+        host_hit_tokens: prompt tokens the host tier served (included in prefix_hit_tokens).
+        swapped_sequences: sequences swapped out (their device blocks are not counted in the
+            token numbers above, except blocks they share with others, which stay).
+        transfers_to_host, transfers_to_device: blocks queued each way so far.
 
     Worked example (block size 16): one 20-token sequence forked into two that each then
     append one token. Logical tokens 42; the first block (16 tokens) is shared; each child has its
@@ -99,6 +151,13 @@ class Usage:
     cow_copies: int
     forks: int
     evictions: int
+    host_blocks: int = 0  # blocks of the host tier (0: no tier)
+    host_used_blocks: int = 0  # host blocks held by swapped-out sequences or pending transfers
+    host_cached_blocks: int = 0  # host blocks whose content a prefix hit can load
+    host_hit_tokens: int = 0  # prompt tokens served from the host tier (part of prefix_hit_tokens)
+    swapped_sequences: int = 0  # sequences swapped out to the host tier
+    transfers_to_host: int = 0  # blocks queued device -> host so far
+    transfers_to_device: int = 0  # blocks queued host -> device so far
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -1,0 +1,258 @@
+"""The host tier: a second pool of KV blocks in host (CPU) memory, its own prefix cache and LRU,
+and the queue of block transfers between it and the device.
+
+Why: when device blocks run out, a paged cache can only forget. An evicted prefix is recomputed
+at its next hit, and a preempted sequence is recomputed from scratch. A host pool several times
+the device's keeps what the device drops: prefixes evicted from the device are **offloaded**
+(write-back: copied out when the device evicts them; write-through: copied out once computed,
+so that eviction later costs nothing) and **loaded** back on a hit, and a preempted sequence can
+be **swapped** out and back in. Whether a load beats recomputing depends on the link: moving a
+block costs a fixed latency plus its bytes over PCIe, so small blocks lose to recompute and
+large ones win (the vLLM paper's Fig. 19; ``pagedkv report`` measures the crossover).
+
+The tier is another :class:`~pagedkv.pool.BlockPool` (refcounts, a clean stack, an LRU of
+revivable blocks) under another :class:`~pagedkv.prefix_cache.PrefixCache` (hash -> host block,
+events tagged ``"CPU"``). A host block is held (one reference) by every swapped-out sequence that
+owns it and by every pending transfer that reads or writes it, so that no transfer's host block
+is evicted or reused before the engine has run it.
+
+Transfers are drained once per step, like copies, and run before the step's K/V writes:
+``to_host`` entries first (they read device blocks that this step may hand to new owners), then
+``to_device`` entries (they fill device blocks that this step's attention reads).
+"""
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+from .eventlog import EventLog
+from .pool import BlockPool
+from .prefix_cache import PrefixCache
+from .types import TO_DEVICE, TO_HOST, OutOfBlocks, Transfer
+
+__all__ = ["HostTier", "WRITE_POLICIES"]
+
+WRITE_POLICIES = ("write-back", "write-through")
+
+
+class HostTier:
+    """Host blocks, the host prefix cache, and the pending transfers to and from the device.
+
+    The manager owns the device side and tells the tier what the device evicted, published,
+    loads and swaps; the tier owns every host block and the transfer queue.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, log: EventLog | None,
+                 write_policy: str = "write-back", caching: bool = True) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"host_write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+        self._pool = BlockPool(num_blocks, check_args=False)
+        self._cache = PrefixCache(self._pool, log, "CPU", keep_content=True) if caching else None
+        self._bs = block_size
+        self.write_policy = write_policy
+        self._to_host: list[Transfer] = []
+        self._to_device: list[Transfer] = []
+        self._pinned: list[int] = []  # one entry per reference a pending transfer holds
+        self._load_dst: dict[int, int] = {}  # device block a pending to_device fills -> host source
+        self._store_src: set[int] = set()  # device blocks a pending to_host reads
+        self._wt_new: list[tuple[int, Hashable]] = []  # published since the last drain: not computed yet
+        self._wt_ready: list[tuple[int, Hashable]] = []  # published before it: computed by now
+        self.hit_tokens = 0
+        self.to_host_count = 0
+        self.to_device_count = 0
+
+    # ---- sizes -------------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self._pool.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return self._pool.num_free
+
+    @property
+    def num_used(self) -> int:
+        return self._pool.num_used
+
+    @property
+    def num_cached(self) -> int:
+        return self._pool.num_cached
+
+    @property
+    def evictions(self) -> int:
+        return self._pool.evictions
+
+    def refcount(self, block: int) -> int:
+        return self._pool.refcount(block)
+
+    def has_pending(self) -> bool:
+        return bool(self._to_host or self._to_device)
+
+    def is_load_destination(self, device_block: int) -> bool:
+        return device_block in self._load_dst
+
+    def is_store_source(self, device_block: int) -> bool:
+        return device_block in self._store_src
+
+    # ---- prefix hits -------------------------------------------------------------------------
+
+    def longest_prefix(self, hashes: Sequence[Hashable], limit: int) -> list[int]:
+        """Host blocks holding the first ``k <= limit`` of ``hashes``, for the largest ``k``."""
+        if self._cache is None or limit <= 0:
+            return []
+        return self._cache.longest_prefix(hashes, limit)
+
+    def pin(self, host_blocks: Sequence[int]) -> None:
+        """Hold host blocks a load will read (before the device allocation that may offload,
+        and so allocate host blocks, can evict them)."""
+        if host_blocks:
+            self._pool.acquire(host_blocks)
+            self._pinned += host_blocks
+
+    def unpin(self, host_blocks: Sequence[int]) -> None:
+        """Undo :meth:`pin` for loads that were not queued after all."""
+        for h in host_blocks:
+            self._pinned.remove(h)
+        self._pool.release_all(list(host_blocks))
+
+    def queue_loads(self, host_blocks: Sequence[int], device_blocks: Sequence[int]) -> None:
+        """``to_device`` transfers of pinned host blocks into fresh device blocks."""
+        for h, d in zip(host_blocks, device_blocks):
+            self._to_device.append(Transfer(TO_DEVICE, h, d))
+            self._load_dst[d] = h
+        self.to_device_count += len(host_blocks)
+
+    def drop_loads_into(self, device_blocks: Sequence[int]) -> None:
+        """Their only holder released these device blocks before the step ran: the loads into
+        them have nothing left to serve (and the blocks may be handed out again)."""
+        for d in device_blocks:
+            h = self._load_dst.pop(d)
+            self._to_device.remove(Transfer(TO_DEVICE, h, d))
+            self._pinned.remove(h)
+            self._pool.release(h)
+            self.to_device_count -= 1
+
+    # ---- offloading --------------------------------------------------------------------------
+
+    def offload(self, device_blocks: Sequence[int], hashes: Sequence[Hashable], contents: Sequence[tuple]) -> None:
+        """Write-back: the device evicted these cached blocks. Each one the host does not hold
+        yet gets a host block (evicting the host's least recently used if need be) and a
+        ``to_host`` transfer; with no host block to spare, it is simply forgotten."""
+        cache = self._cache
+        if cache is None:
+            return
+        for d, h, (parent, toks) in zip(device_blocks, hashes, contents):
+            if cache.get(h) is None:
+                self._store(d, h, parent, toks)
+
+    def _store(self, device_block: int, h: Hashable, parent: Hashable, toks) -> None:
+        pool = self._pool
+        if not pool.num_free:
+            return
+        host = pool.allocate_one()  # its one reference is the pending transfer's pin
+        self._cache.publish([host], [h], parent, toks, self._bs)
+        self._pinned.append(host)
+        self._to_host.append(Transfer(TO_HOST, device_block, host))
+        self._store_src.add(device_block)
+        self.to_host_count += 1
+
+    def published(self, device_blocks: Sequence[int], hashes: Sequence[Hashable]) -> None:
+        """Write-through: remember blocks the device published this step; their K/V exists
+        once the step has run, so they are copied out at the next drain but one."""
+        self._wt_new += zip(device_blocks, hashes)
+
+    def _write_through(self, device_cache: PrefixCache) -> None:
+        cache = self._cache
+        for d, h in self._wt_ready:
+            if device_cache.get(h) == d and cache.get(h) is None:
+                parent, toks = device_cache.content_of(d)
+                self._store(d, h, parent, toks)
+        self._wt_ready, self._wt_new = self._wt_new, []
+
+    def forget_published(self, device_blocks: Sequence[int]) -> None:
+        """Unpublished device blocks (their K/V was never computed): no write-through."""
+        if self._wt_new or self._wt_ready:
+            gone = set(device_blocks)
+            self._wt_new = [e for e in self._wt_new if e[0] not in gone]
+            self._wt_ready = [e for e in self._wt_ready if e[0] not in gone]
+
+    # ---- swapping ----------------------------------------------------------------------------
+
+    def swap_out(self, device_blocks: Sequence[int], hashes: Sequence[Hashable | None],
+                 contents: Sequence[tuple | None], what: str) -> list[int]:
+        """Host blocks for a swapped-out sequence's private device blocks (one reference each,
+        the sequence's), with their ``to_host`` transfers. A block that carries a hash is
+        published on the host too, so later prompts can load it. Atomic: OutOfBlocks if the
+        host has too few free blocks."""
+        n = len(device_blocks)
+        try:
+            host = self._pool.allocate(n)
+        except OutOfBlocks as e:
+            raise OutOfBlocks(e.needed, e.available, f"{what} (host tier)") from None
+        self._pool.incref_all(host)  # the transfers' pins, on top of the sequence's reference
+        self._pinned += host
+        for d, hb, h, c in zip(device_blocks, host, hashes, contents):
+            self._to_host.append(Transfer(TO_HOST, d, hb))
+            self._store_src.add(d)
+            if h is not None and self._cache is not None and self._cache.get(h) is None:
+                self._cache.publish([hb], [h], c[0], c[1], self._bs)
+        self.to_host_count += n
+        return host
+
+    def swap_in(self, host_blocks: Sequence[int], device_blocks: Sequence[int]) -> None:
+        """The swapped sequence's host blocks go back into ``device_blocks``: ``to_device``
+        transfers (pinning the host blocks until drained), and the sequence lets go of them."""
+        self.pin(host_blocks)
+        self.queue_loads(host_blocks, device_blocks)
+        self.release(host_blocks)
+
+    def release(self, host_blocks: Sequence[int]) -> None:
+        """A sequence lets go of host blocks (freed while swapped out, or swapped back in)."""
+        self._pool.release_all(list(host_blocks)[::-1])
+
+    # ---- drain -------------------------------------------------------------------------------
+
+    def take_transfers(self, device_cache: PrefixCache | None) -> list[Transfer]:
+        """Every pending transfer, ``to_host`` first; releases the pins they held."""
+        if self._wt_ready and device_cache is not None:
+            self._write_through(device_cache)
+        elif self._wt_new or self._wt_ready:
+            self._wt_ready, self._wt_new = self._wt_new, []
+        out = self._to_host + self._to_device
+        self._to_host, self._to_device, self._load_dst, self._store_src = [], [], {}, set()
+        if self._pinned:
+            pinned, self._pinned = self._pinned, []
+            self._pool.release_all(pinned)
+        return out
+
+    def reset(self) -> bool:
+        """Drop every cached host block; refused while a host block is held."""
+        if self._pool.num_used:
+            return False
+        if self._cache is not None:
+            self._cache.clear()
+        return True
+
+    # ---- checks ------------------------------------------------------------------------------
+
+    def check_invariants(self, swapped_refs: dict[int, int]) -> None:
+        """The host pool's own states; each host block's refcount equals the swapped-out
+        sequences holding it plus the pending transfers pinning it; each direction of the
+        pending transfers is batch-safe."""
+        self._pool.check_invariants()
+        if self._cache is not None:
+            self._cache.check_invariants()
+        refs = dict(swapped_refs)
+        for h in self._pinned:
+            refs[h] = refs.get(h, 0) + 1
+        for b, c in enumerate(self._pool.refcounts()):
+            if refs.get(b, 0) != c:
+                raise AssertionError(f"host block {b}: refcount {c}, held {refs.get(b, 0)} times")
+        for batch in (self._to_host, self._to_device):  # sources and destinations live in
+            dsts = [t.dst for t in batch]  # different tiers: a destination twice is the hazard
+            if len(set(dsts)) != len(dsts):
+                raise AssertionError("a block is a transfer destination twice")
+        if self._load_dst != {t.dst: t.src for t in self._to_device}:
+            raise AssertionError("load index differs from the pending loads")
+        if self._store_src != {t.src for t in self._to_host}:
+            raise AssertionError("store index differs from the pending stores")
