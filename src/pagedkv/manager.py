@@ -209,7 +209,9 @@ class KVCacheManager:
         self._write_through = tiered and enable_prefix_caching and host_write_policy == "write-through"
         self._swapped = 0
         self._bs = block_size
-        self._offsets = np.arange(block_size, dtype=np.int64)
+        # Slot offsets within a block, for turning a run of blocks into slots in one broadcast;
+        # not kept for absurd block sizes (a 2**31-slot block would make it 16 GiB).
+        self._offsets = np.arange(block_size, dtype=np.int64) if block_size <= 1 << 16 else None
         self._seqs: dict[Hashable, _Seq] = {}
         self._unready = 0  # sequences mid-prefill or holding drafts: only they need checks
         # Pending copies, and two indexes over them that keep the list batch-safe.
@@ -314,6 +316,9 @@ class KVCacheManager:
         bs = self._bs
         first, last = start // bs, (stop - 1) // bs
         blocks = np.asarray(s.table[first : last + 1], dtype=np.int64)
+        if self._offsets is None:
+            pos = np.arange(start, stop, dtype=np.int64)
+            return blocks[pos // bs - first] * bs + pos % bs
         rows = (blocks[:, None] * bs + self._offsets).ravel()
         lo = start - first * bs
         return rows[lo : lo + stop - start]
