@@ -157,6 +157,15 @@ class KVCacheManager:
     * **Out of blocks**: every allocating call raises ``OutOfBlocks(needed, available)`` and
       changes nothing; preempt and call again.
 
+    A block is published (findable by later prompts) only once every one of its positions has
+    been scheduled for compute, and never for a draft token: the engine computes everything it
+    scheduled in the step it scheduled it, so a hit always reads K/V that exists.
+
+    Errors: an unknown sequence id is a ``KeyError``; a duplicate id, an empty prompt, an
+    unhashable id, a bad token or any other bad argument is a ``ValueError``. A failing call
+    changes nothing observable (tables, refcounts, free list and LRU order, cache entries,
+    pending copies, statistics, queued events).
+
     A manager is **not thread-safe**: one engine thread calls it (two threads appending to
     different sequences can hand one block to two tables). It pickles to an equal state
     (``builtin`` hashes stay valid only within the process that computed them).
@@ -238,18 +247,22 @@ class KVCacheManager:
 
     @property
     def block_size(self) -> int:
+        """Token slots per block."""
         return self._bs
 
     @property
     def num_blocks(self) -> int:
+        """Physical blocks in the pool, used or free."""
         return self._pool.num_blocks
 
     @property
     def hash_algo(self) -> str:
+        """The block hash algorithm: ``"sha256"``, ``"xxh3"`` or ``"builtin"``."""
         return self._hasher.name
 
     @property
     def prefix_caching(self) -> bool:
+        """Whether full blocks are shared by content hash and kept revivable when freed."""
         return self._cache is not None
 
     @property
@@ -259,15 +272,18 @@ class KVCacheManager:
 
     @property
     def num_sequences(self) -> int:
+        """Live sequences (admitted and not freed)."""
         return len(self._seqs)
 
     def __contains__(self, seq_id: Hashable) -> bool:
+        """Whether ``seq_id`` is a live sequence; an unhashable id answers False."""
         try:
             return seq_id in self._seqs
         except TypeError:  # an unhashable id is never a sequence
             return False
 
     def seq_ids(self) -> list:
+        """The live sequence ids, in admission order."""
         return list(self._seqs)
 
     def block_table(self, seq_id: Hashable) -> list[int]:
@@ -288,9 +304,11 @@ class KVCacheManager:
         return self._seq(seq_id).drafts
 
     def tokens(self, seq_id: Hashable) -> list[int]:
+        """The sequence's token ids: the whole prompt, appended tokens, pending drafts."""
         return self._seq(seq_id).tokens.tolist()
 
     def refcount(self, block_id: int) -> int:
+        """How many block tables hold the block (0 when it is free); ValueError out of range."""
         return self._pool.refcount(block_id)
 
     def slots(self, seq_id: Hashable, start: int = 0, stop: int | None = None) -> np.ndarray:
