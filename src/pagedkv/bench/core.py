@@ -302,7 +302,7 @@ def _bench_lookup(quick: bool) -> list[dict]:
         _row("admission, 1,000-token prompt, 61 blocks hit", ta.median_us, "µs", None, ta.spread()),
         _row("lookup, same kind of prompt, first time", tf.median_us, "µs", None, tf.spread()),
         _row("lookup / admission, first lookup of a prompt", tf.median_us / ta.median_us, "ratio", 0.7,
-             "DESIGN target <= 0.7; both are mostly the same sha256 chain (62 blocks)"),
+             "design target <= 0.7; both are mostly the same sha256 chain (62 blocks)"),
         _row("lookup, repeated (hashes remembered)", tr.median_us, "µs", None, tr.spread()),
         _row("lookup / admission, repeated lookup", tr.median_us / ta.median_us, "ratio", 0.7,
              "a waiting request looked up again on later steps"),
@@ -364,12 +364,12 @@ def _bench_build(quick: bool) -> list[dict]:
 
 
 # --------------------------------------------------------------------------------------------
-# trace replay (issue 2)
+# trace replay: 1,000 requests, half behind shared system prompts
 
 
 def make_trace(n_requests: int = 1000, seed: int = SEED, n_system: int = 10, system_len: int = 512,
                min_len: int = 200, max_len: int = 2000, decode_len: int = 100):
-    """Prompts and decoded tokens of the issue-2 replay, as Python lists.
+    """Prompts and decoded tokens of the trace replay, as Python lists.
 
     Every prompt's length is uniform in ``min_len..max_len``. Half of the requests (chosen at
     random) start with one of ``n_system`` system prompts of ``system_len`` tokens (chosen
@@ -477,7 +477,7 @@ def _pooled_median_us(results: list[dict], key: str) -> float:
 
 
 def _bench_replay(quick: bool) -> list[dict]:
-    """The issue-2 replay for each hash algorithm, events on (drained per step) and, for sha256,
+    """The trace replay for each hash algorithm, events on (drained per step) and, for sha256,
     off. Variants are interleaved run by run (sha256, sha256 no events, builtin, xxh3, sha256, ...)
     so that a slow phase of a shared machine hits all of them alike.
 
