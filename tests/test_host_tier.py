@@ -1,0 +1,244 @@
+"""The host tier: offload on eviction, prefix hits served from host memory, swap preemption.
+
+Exact block ids and transfer lists where the design fixes them: the device hands out clean
+blocks LIFO above a never-used watermark (lowest first) and evicts its least recently freed
+cached block; the host tier is a pool of the same kind.
+"""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from pagedkv import BlockRemoved, BlockStored, KVCacheManager, OutOfBlocks, PrefixHit, Transfer
+
+BS = 4
+
+
+def toks(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def to_host(src, dst):
+    return Transfer("to_host", src, dst)
+
+
+def to_device(src, dst):
+    return Transfer("to_device", src, dst)
+
+
+def make(num_blocks=6, host_blocks=8, **kw):
+    return KVCacheManager(num_blocks=num_blocks, block_size=BS, host_blocks=host_blocks, **kw)
+
+
+def fill_and_evict(m):
+    """Prompt A (3 full blocks + 1 token) cached and freed, then other prompts evict it."""
+    a = toks(0, 13)
+    m.add_sequence("a", a)  # blocks 0, 1, 2 full and published, 3 partial
+    m.free("a")  # released tail first: LRU order 2, 1, 0 (block 3 goes clean)
+    m.take_events()
+    return a
+
+
+# ---------------------------------------------------------------- construction and bad input
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "4", 2**31])
+def test_bad_host_sizes_are_refused(bad):
+    with pytest.raises(ValueError):
+        KVCacheManager(num_blocks=8, block_size=BS, host_blocks=bad)
+
+
+def test_bad_write_policy_is_refused():
+    with pytest.raises(ValueError, match="host_write_policy"):
+        KVCacheManager(num_blocks=8, block_size=BS, host_blocks=4, host_write_policy="lazy")
+
+
+def test_without_a_host_tier_nothing_changes():
+    m = KVCacheManager(num_blocks=8, block_size=BS)
+    m.add_sequence("a", toks(0, 9))
+    assert m.take_transfers() == []
+    hit = m.lookup(toks(0, 9))
+    assert (hit, hit.device, hit.host) == (8, 8, 0)
+    with pytest.raises(ValueError, match="host tier"):
+        m.swap_out("a")
+    u = m.usage()
+    assert (u.host_blocks, u.host_used_blocks, u.swapped_sequences) == (0, 0, 0)
+
+
+# ---------------------------------------------------------------- write-back offload
+
+
+def test_eviction_offloads_to_the_host_with_events_tagged_by_medium():
+    m = make()
+    fill_and_evict(m)
+    # 6 device blocks: 3 cached (2, 1, 0 oldest first... released tail first: 2 is oldest), 3 clean
+    m.add_sequence("b", toks(100, 20))  # 5 blocks: 3 clean (3, 4, 5), then evicts 2 and 1
+    assert m.block_table("b") == [3, 4, 5, 2, 1]
+    assert m.take_transfers() == [to_host(2, 0), to_host(1, 1)]
+    events = m.take_events()
+    removed = [e for e in events if isinstance(e, BlockRemoved)]
+    assert [e.medium for e in removed] == ["GPU"]
+    host_stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
+    assert [e.token_ids for e in host_stored] == [tuple(toks(8, 4)), tuple(toks(4, 4))]
+    assert removed[0].block_hashes == tuple(h for e in host_stored for h in e.block_hashes)
+    u = m.usage()
+    assert (u.host_cached_blocks, u.transfers_to_host, u.evictions) == (2, 2, 2)
+    m.check_invariants()
+
+
+def test_a_prefix_hit_continues_on_the_host_and_loads_blocks():
+    m = make(num_blocks=8)
+    a = fill_and_evict(m)
+    m.add_sequence("b", toks(100, 24))  # 6 blocks: 5 clean ones (3..7), then evicts 2
+    m.free("b")
+    m.take_transfers()
+    m.take_events()
+    # A's block 0 and 1 are still on the device; block 2's content went to the host
+    hit = m.lookup(a)
+    assert hit == 12 and isinstance(hit, PrefixHit) and (hit.device, hit.host) == (8, 4)
+    assert m.take_events() == [] and m.take_transfers() == []  # lookup changes nothing
+    assert m.add_sequence("a2", a) == 12
+    table = m.block_table("a2")
+    assert table[:2] == [0, 1]
+    assert m.take_transfers() == [to_device(0, table[2])]
+    u = m.usage()
+    assert (u.host_hit_tokens, u.prefix_hit_tokens, u.transfers_to_device) == (4, 12, 1)
+    m.check_invariants()
+
+
+def test_write_through_copies_blocks_out_one_drain_after_publishing():
+    m = make(host_write_policy="write-through")
+    m.add_sequence("a", toks(0, 9))  # blocks 0, 1 full and published now, K/V computed this step
+    assert m.take_transfers() == []  # not computed yet at this drain
+    assert m.take_transfers() == [to_host(0, 0), to_host(1, 1)]
+    m.free("a")
+    m.add_sequence("b", toks(100, 24))  # evicts 1 and 0: the host holds them already
+    assert m.take_transfers() == []
+    assert m.usage().host_cached_blocks == 2
+    m.check_invariants()
+
+
+def test_offload_is_best_effort_when_the_host_is_held():
+    """Host blocks pinned by pending transfers are never evicted; with none to spare, an evicted
+    device block is simply forgotten."""
+    m = make(num_blocks=6, host_blocks=1)
+    fill_and_evict(m)
+    m.add_sequence("b", toks(100, 20))  # evicts 2 (offloaded into host 0) and 1 (no host block left)
+    assert m.take_transfers() == [to_host(2, 0)]
+    m.check_invariants()
+
+
+# ---------------------------------------------------------------- swapping
+
+
+def test_swap_out_moves_private_blocks_and_keeps_shared_ones():
+    m = make(num_blocks=8, host_blocks=8)
+    m.add_sequence("p", toks(0, 6))  # table [0, 1]: block 0 full, block 1 partial
+    m.fork("p", "c")
+    m.append_token("c", 50)  # copy-on-write of block 1 into 2
+    assert m.take_copies() == [(1, 2)]
+    m.take_transfers()
+    m.swap_out("c")
+    assert m.block_table("c") == [0, -1]  # shared block 0 stays, private block 2 goes
+    assert m.take_transfers() == [to_host(2, 0)]
+    assert m.refcount(0) == 2 and m.refcount(2) == 0
+    u = m.usage()
+    assert (u.swapped_sequences, u.host_used_blocks) == (1, 1)
+    for call in (lambda: m.append_token("c", 1), lambda: m.fork("c", "d"),
+                 lambda: m.block_tables(["c"]), lambda: m.slots("c")):
+        with pytest.raises(ValueError, match="swapped out"):
+            call()
+    with pytest.raises(ValueError, match="already swapped"):
+        m.swap_out("c")
+    m.check_invariants()
+    m.swap_in("c")
+    new = m.block_table("c")
+    assert new[0] == 0 and new[1] != -1
+    assert m.take_transfers() == [to_device(0, new[1])]
+    assert m.usage().swapped_sequences == 0
+    assert m.append_token("c", 51) == new[1] * BS + 3  # the tail resumes where it was
+    m.check_invariants()
+
+
+def test_swap_in_revives_blocks_still_cached_on_the_device():
+    m = make(num_blocks=8, host_blocks=8)
+    m.add_sequence("a", toks(0, 9))  # [0, 1, 2]: two full published blocks, one partial
+    m.swap_out("a")
+    assert m.block_table("a") == [-1, -1, -1]
+    assert m.take_transfers() == [to_host(0, 0), to_host(1, 1), to_host(2, 2)]
+    m.swap_in("a")
+    table = m.block_table("a")
+    assert table[:2] == [0, 1]  # full blocks revived from the device's cache: no transfer
+    assert m.take_transfers() == [to_device(2, table[2])]  # the partial tail comes back
+    assert m.usage().host_used_blocks == 0
+    m.check_invariants()
+
+
+def test_swap_is_atomic_when_either_tier_is_full():
+    m = make(num_blocks=4, host_blocks=1)
+    m.add_sequence("a", toks(0, 10))  # 3 private blocks, host has 1
+    before = (m.block_table("a"), m.num_free_blocks, m.usage())
+    with pytest.raises(OutOfBlocks) as ei:
+        m.swap_out("a")
+    assert (ei.value.needed, ei.value.available) == (3, 1)
+    assert (m.block_table("a"), m.num_free_blocks, m.usage()) == before
+    assert m.take_transfers() == [] and m.take_events()  # only the admission's events
+
+    m = make(num_blocks=3, host_blocks=4, enable_prefix_caching=False)
+    m.add_sequence("a", toks(0, 10))
+    m.swap_out("a")
+    m.take_transfers()
+    m.add_sequence("b", toks(100, 10))  # takes the device back
+    before = m.usage()
+    with pytest.raises(OutOfBlocks):
+        m.swap_in("a")
+    assert m.usage() == before and m.block_table("a") == [-1, -1, -1]
+    m.free("b")
+    m.swap_in("a")
+    m.check_invariants()
+
+
+def test_swapping_out_a_sequence_given_blocks_this_step_is_refused():
+    m = make(num_blocks=8, host_blocks=8)
+    m.add_sequence("p", toks(0, 6))
+    m.fork("p", "c")
+    m.append_token("c", 9)  # a copy into c's new block is pending
+    with pytest.raises(ValueError, match="pending"):
+        m.swap_out("c")
+    m.take_copies()
+    m.check_invariants()
+
+
+def test_freeing_a_swapped_sequence_releases_its_host_blocks():
+    m = make(num_blocks=8, host_blocks=8, enable_prefix_caching=False)
+    m.add_sequence("a", toks(0, 10))
+    m.swap_out("a")
+    m.take_transfers()
+    m.free("a")
+    u = m.usage()
+    assert (u.host_used_blocks, u.swapped_sequences, u.used_blocks) == (0, 0, 0)
+    m.check_invariants()
+
+
+def test_reset_is_refused_while_the_host_holds_a_sequence():
+    m = make(num_blocks=8, host_blocks=8)
+    m.add_sequence("a", toks(0, 10))
+    m.swap_out("a")
+    m.take_transfers()
+    assert m.reset_prefix_cache() is False
+    m.free("a")
+    assert m.reset_prefix_cache() is True
+    assert m.usage().host_cached_blocks == 0
+    m.check_invariants()
+
+
+def test_pickling_keeps_both_tiers():
+    m = make(num_blocks=6, host_blocks=4)
+    fill_and_evict(m)
+    m.add_sequence("b", toks(100, 20))
+    m2 = pickle.loads(pickle.dumps(m))
+    assert m2.take_transfers() == m.take_transfers()
+    assert m2.take_events() == m.take_events()
+    assert m2.usage() == m.usage()
+    m2.check_invariants()
