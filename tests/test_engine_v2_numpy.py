@@ -381,3 +381,13 @@ def test_any_schedule_equals_dense_in_float64(lengths, budget, chunk, block_size
         assert s.tokens == np.argmax(ref, axis=-1).tolist()
     assert engine.stats.max_step_tokens <= budget
     assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_a_draft_model_without_blocks_proposes_nothing_and_generation_goes_on(model):
+    """The draft manager (2 blocks of 4) cannot hold these prompts: no drafts, same tokens."""
+    prompts = prompts_of([9, 30], seed=12)
+    spec = DraftModelDrafter(model, KVCacheManager(2, 4), 4)
+    engine = Engine(model, KVCacheManager(64, 4), speculator=spec)
+    assert max_error(model, prompts, engine.generate(prompts, 6)) < ATOL
+    assert engine.stats.draft_tokens == 0 and spec.proposed == 0 and spec.forwards == 0
+    assert spec.manager.num_free_blocks == 2

@@ -36,7 +36,9 @@ mid-prefill, then on admitting waiting requests (``add_sequence(..., prefill=k)`
 prompt is computed over several steps, and its blocks are published only as chunks schedule them,
 so a request admitted while another is mid-prefill hits only blocks whose K/V exists (or is
 written in this very step: the model writes a layer's K/V for the whole batch before any
-sequence's attention in that layer reads).
+sequence's attention in that layer reads). When blocks run short, the most recently admitted
+request without work in the step is preempted: its blocks are freed (the computed ones stay
+cached) and it restarts from its prompt later, as vLLM's recompute preemption does.
 
 ``speculator=NgramDrafter()`` or ``DraftModelDrafter(small_model, small_manager)``
 (:mod:`pagedkv.speculative`) adds speculative decoding: a running sequence's query is its last
@@ -92,12 +94,18 @@ class RequestResult:
 
 @dataclass
 class EngineStats:
-    """What the allocator did for one ``generate`` call.
+    """What the allocator did for one ``generate`` call (or, driving ``step`` yourself, since
+    the engine was made or the last ``generate``).
 
     ``eager_fork_blocks`` is how many blocks copying at fork time would have copied (the parent's
     whole table, per fork); ``copied_blocks`` is what copy-on-write copied instead. Worked
     example: a 45-token prompt with 16-token blocks, n = 4: three forks of a 3-block table are 9
     eager copies; copy-on-write copies the partial third block for 3 of the 4 samples: 3.
+
+    Speculation: ``acceptance_rate = accepted_tokens / draft_tokens``; ``rollback_blocks`` counts
+    the blocks ``accept`` returned to the pool. Worked example (block size 4): a sequence of 8
+    tokens (two full blocks) verifies 4 drafts, which take a fresh third block; keeping 3 of them
+    frees nothing, keeping none returns the third block: 1 block.
     """
 
     steps: int = 0
@@ -449,8 +457,8 @@ class Engine:
             arrival = self._clock
         if isinstance(arrival, bool) or not isinstance(arrival, (int, np.integer)) or arrival < 0:
             raise ValueError(f"arrival must be a step number >= 0, got {arrival!r}")
-        prompt = [int(t) for t in prompt]
         self.manager.lookup(prompt, cache_salt)  # validates tokens and salt, changes nothing
+        prompt = [int(t) for t in prompt]
         rid = next(self._rids)
         req = _Request(rid, prompt, max_new_tokens, int(arrival), temperature, stream, n, cache_salt)
         self._requests[rid] = req
@@ -492,8 +500,9 @@ class Engine:
         block preempts the most recently admitted request with no work in this step (it restarts
         from its prompt later), or else waits; no request is admitted in a step that was short
         of blocks. A step in which nothing fits raises ``OutOfBlocks`` (abort a request and step
-        again); a step with nothing arrived yet is idle. If the forward raises, every admitted request is dropped and its sequences
-        freed with ``cache=False`` (their newest positions were scheduled, never computed).
+        again); a step with nothing arrived yet is idle. If the forward raises, every request is
+        dropped and its sequences freed with ``cache=False`` (their newest positions were
+        scheduled, never computed).
         """
         out = StepOutput(self._clock)
         work = self._schedule(out)
@@ -577,9 +586,7 @@ class Engine:
         if spec is not None and any(wants.values()):
             proposals = spec.propose([(seq, self._context(seq), k) for seq, k in wants.items() if k])
         short = False
-        for seq, k in wants.items():
-            if budget < 1:
-                break
+        for seq, k in wants.items():  # the allotment fits the budget: 1 + k tokens each at most
             if seq not in self._running:  # its request was preempted for an earlier one
                 continue
             lv = self._running[seq]
@@ -590,7 +597,7 @@ class Engine:
                     spec.settle(seq, 0)
                 continue
             scheduled.add(lv.req)
-            drafts = [int(t) for t in proposals.get(seq, ())][:min(k, budget - 1)]
+            drafts = [int(t) for t in proposals.get(seq, ())][:k]
             slots = [slot]
             if drafts:
                 try:
