@@ -374,6 +374,9 @@ class PagedLlama:
         ``[batch, max_blocks]`` (``KVCacheManager.block_tables``). Prefill after a prefix hit of
         ``h`` tokens passes the prompt's last ``len - h`` tokens with ``query_lens = len - h``; a
         chunk of a prefill or a run of draft tokens is the same call with more query tokens.
+        In every layer the whole batch's K/V is written before any sequence's attention reads, so
+        a sequence may read, through its table, a block that another sequence of the same call
+        writes (a prefix hit on a block published in this step: chunked prefill relies on it).
         A bad step raises ``ValueError`` before any K/V is written.
         """
         self._check_store(store)

@@ -25,6 +25,7 @@ SECTIONS: dict[str, str] = {
     "block_size": "block_size",
     "sharing": "sharing",
     "prefix_hits": "prefix_hits",
+    "chunked_spec": "chunked_spec",
 }
 
 

@@ -1,0 +1,232 @@
+"""The modern engine loop against transformers: chunked prefill, a request admitted mid-prefill,
+speculative decoding, and the negative control that publishes at admission.
+
+The oracle is a seeded random ``LlamaForCausalLM`` (nothing downloaded) running transformers'
+own greedy ``generate`` with its own cache. The paged engine runs the same weights on both model
+backends with its K/V only in the paged store, so equal tokens and logits within 1e-4 (the
+existing tolerance: float noise is ~2e-6) mean every chunk's slots, every prefix hit and every
+rolled-back draft were right.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from pagedkv import KVCacheManager  # noqa: E402
+from pagedkv.engine import Engine  # noqa: E402
+from pagedkv.model import PagedLlama  # noqa: E402
+from pagedkv.speculative import DraftModelDrafter, NgramDrafter  # noqa: E402
+
+pytestmark = pytest.mark.oracle
+
+ATOL = 1e-4
+PAD = 0
+PROMPTS = (5, 16, 23, 40, 100)  # inside, on and across 16-token blocks; 100 spans two 64-chunks
+NEW = 24
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_torch_thread):
+    """Every test here runs with one torch thread (see conftest)."""
+
+
+def tiny_llama(seed: int = 0):
+    """A seeded random LlamaForCausalLM: hidden 64, 2 layers, 4 heads on 2 KV heads, vocab 256."""
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, intermediate_size=128, max_position_embeddings=512, rope_theta=500.0,
+        initializer_range=0.1, pad_token_id=PAD, bos_token_id=None, eos_token_id=None)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module", params=["torch", "numpy"])
+def model(hf, request):
+    return PagedLlama.from_transformers(hf, backend=request.param)
+
+
+def prompts_of(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, 256, n).tolist() for n in lengths]
+
+
+def hf_greedy(hf, prompts, new_tokens):
+    """transformers' batched greedy generate with its own cache: tokens [b, new], logits [b, new, V]."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                      do_sample=False, output_logits=True, return_dict_in_generate=True,
+                      pad_token_id=PAD, eos_token_id=None)
+    return out.sequences[:, width:].numpy(), torch.stack(out.logits, dim=1).numpy()
+
+
+@pytest.fixture(scope="module")
+def oracle(hf):
+    return hf_greedy(hf, prompts_of(PROMPTS), NEW)
+
+
+def max_error(results, oracle) -> float:
+    """Largest |logit difference| against the oracle; asserts the tokens are the oracle's."""
+    tokens, logits = oracle
+    err = 0.0
+    for i, r in enumerate(results):
+        (s,) = r.samples
+        assert s.tokens == tokens[i].tolist()
+        err = max(err, float(np.abs(np.stack(s.logits) - logits[i]).max()))
+    return err
+
+
+class CountingManager(KVCacheManager):
+    """A real manager that records what every ``accept`` did: (tokens with drafts, drafts,
+    kept, blocks the free count gained)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.accepts = []
+
+    def accept(self, seq_id, k):
+        n, d, free = self.num_tokens(seq_id), self.num_drafts(seq_id), self.num_free_blocks
+        super().accept(seq_id, k)
+        self.accepts.append((n, d, k, self.num_free_blocks - free))
+
+
+def check_spec_counts(engine, manager):
+    """The engine's speculation stats against the manager's own counts, and a recount by formula."""
+    st, acc = engine.stats, manager.accepts
+    bs = manager.block_size
+    assert st.verify_steps == len(acc) > 0
+    assert st.draft_tokens == sum(d for _, d, _, _ in acc)
+    assert st.accepted_tokens == sum(k for _, _, k, _ in acc)
+    assert st.rollback_blocks == sum(f for *_, f in acc)
+    # blocks that held only dropped drafts: ceil(n / bs) - ceil((n - dropped) / bs)
+    assert st.rollback_blocks == sum(-(-n // bs) - -(-(n - d + k) // bs) for n, d, k, _ in acc)
+    assert st.acceptance_rate == pytest.approx(st.accepted_tokens / st.draft_tokens)
+    assert manager.num_free_blocks == manager.num_blocks
+    manager.check_invariants()
+
+
+# ---- chunked prefill
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 64])
+def test_chunked_prefill_gives_transformers_greedy(model, oracle, chunk):
+    engine = Engine(model, KVCacheManager(128, 16), token_budget=chunk)
+    results = engine.generate(prompts_of(PROMPTS), NEW)
+    err = max_error(results, oracle)
+    assert err < ATOL
+    st = engine.stats
+    assert st.max_step_tokens == min(chunk, max(PROMPTS))  # the budget is used, never exceeded
+    assert st.prefill_tokens == sum(PROMPTS) and st.decode_tokens == len(PROMPTS) * (NEW - 1)
+    assert st.prefill_chunks >= sum(-(-n // chunk) for n in PROMPTS)
+    if chunk > 1:
+        assert st.mixed_steps > 0  # prompt chunks and decodes did share forwards
+    assert engine.manager.num_free_blocks == 128
+    print(f"\n[{model.backend}] chunk {chunk}: max |logit - transformers| {err:.2e}, "
+          f"{st.steps} forwards, {st.mixed_steps} mixed")
+
+
+# ---- a second request admitted while the first is mid-prefill
+
+BS, SHARED = 16, 64  # the second prompt repeats the first one's first 64 tokens
+
+
+def two_requests(model, control: bool):
+    """A (96 tokens) arrives at step 0, B (A's first 64 + 9 of its own) at step 2; budget 32,
+    at most 16 prompt tokens per request per step. Returns (engine, results, B's admission step)."""
+    a = prompts_of([96], seed=7)[0]
+    b = a[:SHARED] + prompts_of([9], seed=8)[0]
+    engine = Engine(model, KVCacheManager(64, BS), token_budget=32, chunk_size=16,
+                    publish_at_admission=control)
+    engine.add_request(a, 8)
+    engine.add_request(b, 8, arrival=2)
+    results, admitted = {}, None
+    while engine.has_unfinished():
+        out = engine.step()
+        if out.admitted and out.admitted[0][0] == 1:
+            admitted = out
+        results.update(out.finished)
+    return engine, (a, b), results, admitted
+
+
+def test_request_admitted_mid_prefill_hits_only_computed_blocks(hf, model):
+    engine, (a, b), results, step = two_requests(model, control=False)
+    # step 2 schedules A's third chunk first (positions 32..48, publishing block 2), then admits B
+    assert step.step == 2 and (0, 32, 48) in step.prefill
+    assert step.admitted == [(1, 48)]  # 3 blocks: computed before, or in this very forward
+    assert results[1].hit_tokens == 48 < SHARED
+    assert engine.manager.usage().prefix_hit_tokens == 48
+    for rid, prompt in ((0, a), (1, b)):
+        tokens, logits = hf_greedy(hf, [prompt], 8)
+        (s,) = results[rid].samples
+        assert s.tokens == tokens[0].tolist()
+        np.testing.assert_allclose(np.stack(s.logits), logits[0], atol=ATOL, rtol=0)
+
+
+def test_negative_control_publishing_at_admission_diverges(hf, model):
+    engine, (a, b), results, step = two_requests(model, control=True)
+    assert step.step == 2 and step.admitted == [(1, SHARED)]  # block 3 was never computed
+    tokens, logits = hf_greedy(hf, [b], 8)
+    err = float(np.abs(np.stack(results[1].samples[0].logits) - logits[0]).max())
+    assert err > 1e-2, err
+    ta, la = hf_greedy(hf, [a], 8)  # the first request itself is unharmed
+    np.testing.assert_allclose(np.stack(results[0].samples[0].logits), la[0], atol=ATOL, rtol=0)
+    print(f"\n[{model.backend}] publish at admission: B hit {results[1].hit_tokens} tokens, "
+          f"max |logit - transformers| {err:.3f}")
+
+
+# ---- speculative decoding
+
+
+def layer_skip_draft(hf, backend):
+    """A smaller draft model: the target's first layer only (its embedding, norm and head)."""
+    cfg = copy.deepcopy(hf.config)
+    cfg.num_hidden_layers = 1
+    sd = {k: v for k, v in hf.state_dict().items() if ".layers.1." not in k}
+    return PagedLlama.from_state_dict(sd, cfg, backend=backend)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft model"])
+def test_speculative_decoding_gives_exactly_greedy(hf, model, oracle, drafter):
+    if drafter == "ngram":
+        spec = NgramDrafter(num_drafts=4)
+    else:
+        spec = DraftModelDrafter(layer_skip_draft(hf, model.backend), CountingManager(128, 16), 4)
+    manager = CountingManager(128, 16)
+    engine = Engine(model, manager, speculator=spec)
+    err = max_error(engine.generate(prompts_of(PROMPTS), NEW), oracle)
+    assert err < ATOL
+    check_spec_counts(engine, manager)
+    st = engine.stats
+    assert 0 < st.accepted_tokens < st.draft_tokens  # drafts were both kept and rolled back
+    assert st.steps <= NEW  # one prefill forward, then at most one per remaining token
+    if drafter == "draft model":
+        dm = spec.manager
+        assert spec.rollback_blocks == sum(f for *_, f in dm.accepts)
+        assert dm.num_free_blocks == dm.num_blocks
+    print(f"\n[{model.backend}] {drafter}: acceptance {st.acceptance_rate:.3f} "
+          f"({st.accepted_tokens}/{st.draft_tokens}), {st.rollback_blocks} blocks freed by rollback, "
+          f"{st.steps} forwards, max |logit - transformers| {err:.2e}")
+
+
+def test_speculation_with_chunked_prefill_and_late_arrivals(hf, model, oracle):
+    spec = DraftModelDrafter(layer_skip_draft(hf, model.backend), KVCacheManager(128, 16), 3)
+    manager = CountingManager(128, 16)
+    engine = Engine(model, manager, token_budget=16, speculator=spec)
+    results = engine.generate(prompts_of(PROMPTS), NEW, arrivals=[0, 3, 3, 9, 20])
+    assert max_error(results, oracle) < ATOL
+    assert engine.stats.max_step_tokens <= 16 and engine.stats.mixed_steps > 0
+    check_spec_counts(engine, manager)
