@@ -99,9 +99,11 @@ def test_a_prefix_hit_continues_on_the_host_and_loads_blocks():
     assert hit == 12 and isinstance(hit, PrefixHit) and (hit.device, hit.host) == (8, 4)
     assert m.take_events() == [] and m.take_transfers() == []  # lookup changes nothing
     assert m.add_sequence("a2", a) == 12
-    table = m.block_table("a2")
-    assert table[:2] == [0, 1]
-    assert m.take_transfers() == [to_device(0, table[2])]
+    # No clean block is left: B's blocks (cached, LRU 2, 7, ...) are evicted for the load's
+    # destination and the fresh tail, and offloaded themselves. Device block 2 is read out to
+    # the host before A's third block is loaded into it: to_host entries come first.
+    assert m.block_table("a2") == [0, 1, 2, 7]
+    assert m.take_transfers() == [to_host(2, 1), to_host(7, 2), to_device(0, 2)]
     u = m.usage()
     assert (u.host_hit_tokens, u.prefix_hit_tokens, u.transfers_to_device) == (4, 12, 1)
     m.check_invariants()
