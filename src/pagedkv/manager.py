@@ -381,7 +381,7 @@ class KVCacheManager:
         bs = self._bs
         hashes = self._prompt_hashes(root, _le_bytes(tokens), n // bs, remember=True)
         device, host = self._hits(hashes, (n - 1) // bs)
-        return PrefixHit(len(device) * bs, len(host) * bs)
+        return PrefixHit(len(device) * bs, len(host) * bs, sum(map(self._pool.is_cached, device)))
 
     def _hits(self, hashes: list, limit: int) -> tuple[list[int], list[int]]:
         """The longest cached prefix: device blocks, then host blocks continuing it."""

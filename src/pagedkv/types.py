@@ -79,22 +79,27 @@ class Transfer(NamedTuple):
 class PrefixHit(int):
     """Prompt tokens the cache serves (an int), with where they are: ``device`` tokens are in
     device blocks already; ``host`` tokens are loaded from the host tier by ``to_device``
-    transfers. ``lookup`` returns one. Example: 48 tokens, 32 on the device and 16 on the host."""
+    transfers. ``revived`` counts the device hit blocks that are cached-free now: admitting the
+    prompt takes them out of the free count, as it takes a block for each host-hit block and
+    each newly scheduled one. ``lookup`` returns one. Example: 48 tokens, 32 on the device (one
+    of its two blocks cached-free, so ``revived`` 1) and 16 on the host."""
 
     device: int
     host: int
+    revived: int
 
-    def __new__(cls, device: int, host: int = 0) -> "PrefixHit":
+    def __new__(cls, device: int, host: int = 0, revived: int = 0) -> "PrefixHit":
         obj = super().__new__(cls, device + host)
         obj.device = device
         obj.host = host
+        obj.revived = revived
         return obj
 
     def __reduce__(self):
-        return (PrefixHit, (self.device, self.host))
+        return (PrefixHit, (self.device, self.host, self.revived))
 
     def __repr__(self) -> str:
-        return f"PrefixHit({int(self)}, device={self.device}, host={self.host})"
+        return f"PrefixHit({int(self)}, device={self.device}, host={self.host}, revived={self.revived})"
 
 
 @dataclass(frozen=True, slots=True)
