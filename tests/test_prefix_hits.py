@@ -9,9 +9,7 @@ import pytest
 from pagedkv.report.options import ReportOptions
 from pagedkv.report.prefix_hits import ideal_hits, replay, section
 from pagedkv.sim.request import Request
-from pagedkv.sim.traces import default_data_dir, load_mooncake_jsonl
-
-needs_data = pytest.mark.skipif(default_data_dir() is None, reason="public traces absent")
+from pagedkv.sim.traces import load_mooncake_jsonl
 
 
 def test_ideal_hits_worked_example():
@@ -44,8 +42,8 @@ def test_replay_small_cache_evicts_and_skips(tmp_path):
         replay(reqs, 0, 16)
 
 
-@needs_data
-def test_quick_section_matches_the_independent_count():
+def test_quick_section_matches_the_independent_count(monkeypatch):
+    monkeypatch.delenv("PAGEDKV_DATA", raising=False)  # the trace shipped with the package
     sec = section(ReportOptions(quick=True))
     d = sec.data
     assert d["requests"] == 200 and d["full_trace_requests"] == 12_031
