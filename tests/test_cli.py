@@ -256,3 +256,15 @@ def test_module_entry_point_prints_no_traceback(tmp_path):
                           env={**os.environ, "PYTHONPATH": str(SRC)}, capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "exists and is not a directory" in proc.stderr
+
+
+@pytest.mark.parametrize("command", [[], ["report"], ["simulate"], ["size"], ["bench"]])
+def test_help_sends_people_only_where_they_can_go(capsys, command):
+    import re
+
+    rc, out, _ = run(command + ["--help"], capsys)
+    assert rc == 0 and out
+    assert "DESIGN.md" not in out and "../shared" not in out
+    assert re.search(r":[a-z]+:`|``", out) is None  # no reStructuredText roles or literals
+    if not command:
+        assert "docs/design.md" in out

@@ -64,3 +64,21 @@ def test_section_without_data(monkeypatch, tmp_path):
     assert sec.data["skipped"] and "not found" in sec.to_text()
     with pytest.raises(ValueError):
         section("quick")
+
+
+def test_replay_reports_progress_by_quarters(tmp_path):
+    lines = [{"timestamp": i, "input_length": 100, "output_length": 1, "hash_ids": [i]} for i in range(8)]
+    p = tmp_path / "mc.jsonl"
+    p.write_text("\n".join(json.dumps(x) for x in lines))
+    seen = []
+    res = replay(load_mooncake_jsonl(p), 100, 16, progress=seen.append)
+    assert seen == [2, 4, 6] and res.requests == 8
+
+
+def test_section_reports_milestones_to_progress(monkeypatch):
+    monkeypatch.delenv("PAGEDKV_DATA", raising=False)
+    seen = []
+    sec = section(ReportOptions(quick=True, progress=seen.append))
+    blocks = [c["blocks"] for c in sec.data["by_capacity"]]
+    assert seen == [f"prefix_hits, first 200: capacity {k}/2 ({b:,} blocks of 16), 200 requests"
+                    for k, b in enumerate(blocks, 1)]
