@@ -268,3 +268,10 @@ def test_help_sends_people_only_where_they_can_go(capsys, command):
     assert re.search(r":[a-z]+:`|``", out) is None  # no reStructuredText roles or literals
     if not command:
         assert "docs/design.md" in out
+
+
+def test_a_malformed_trace_in_the_data_dir_stops_the_report_first(capsys, tmp_path):
+    (tmp_path / "mooncake_conversation_trace.jsonl").write_text('{"timestamp": 0, "input_length": 5}\n')
+    err = fails(["report", "--quick", "--data-dir", str(tmp_path)], capsys,
+                "mooncake_conversation_trace.jsonl:1: missing field")
+    assert "fork_cost" not in err

@@ -370,3 +370,25 @@ def test_manager_hits_equal_the_hash_id_prediction(tmp_path_factory, records, bl
         want = min(512 * k, n_in - 1) // block_size * block_size
         assert m.add_sequence(i, r.prompt_tokens()) == want
         seen.update(ids)
+
+
+def test_traces_load_from_a_zipped_package(tmp_path):
+    """Imported from a zip archive (no files on disk), the shipped traces are still found."""
+    import subprocess
+    import sys
+    import zipfile
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    archive = tmp_path / "pagedkv.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        for f in (src / "pagedkv").rglob("*"):
+            if f.is_file() and "__pycache__" not in f.parts:
+                z.write(f, f.relative_to(src).as_posix())
+    code = ("from pagedkv.sim.traces import trace_path, load_trace; p = trace_path('mooncake'); "
+            "print(p.name, len(load_trace(p, limit=3)), p.is_file())")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PAGEDKV_DATA"}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPATH": str(archive)},
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["mooncake_conversation_trace.jsonl.gz", "3", "True"]

@@ -64,6 +64,20 @@ def _check_trace(path: Path) -> None:
     load_trace(path)
 
 
+def _check_user_traces(data_dir: Path | None) -> None:
+    """Read the traces of a user's data directory (``--data-dir`` or ``$PAGEDKV_DATA``) now: a
+    malformed copy must stop the report before the first section, not after five of them."""
+    from ..sim.traces import TRACE_FILES, bundled_data_dir, default_data_dir, load_trace, trace_path
+
+    directory = data_dir if data_dir is not None else default_data_dir()
+    if directory is None or directory == bundled_data_dir():
+        return
+    for name in TRACE_FILES:
+        path = trace_path(name, directory)
+        if path is not None:
+            load_trace(path)
+
+
 def _options(args: argparse.Namespace, progress) -> ReportOptions:
     from ..sim.sizing import get_model
 
@@ -71,6 +85,7 @@ def _options(args: argparse.Namespace, progress) -> ReportOptions:
     check_int("--seed", args.seed, 0)
     get_model(args.model)
     check_data_dir("--data-dir", args.data_dir)
+    _check_user_traces(args.data_dir)
     if args.trace is not None:
         _check_trace(args.trace)
     return ReportOptions(model=args.model, block_size=args.block_size, seed=args.seed, quick=args.quick,
