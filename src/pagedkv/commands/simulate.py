@@ -31,8 +31,9 @@ from . import UsageError, check_data_dir, check_int, check_number, reports_error
 
 __all__ = ["add_arguments", "run", "MAX_BLOCKS", "MAX_REQUESTS", "MAX_LEN", "SHIPPED_TRACES"]
 
-# What one run can hold in memory and time on a laptop: the manager keeps a few words per block
-# (16M blocks: ~130 MB before any sequence), and slot ids are int32.
+# What one run can hold in memory and time on a laptop: the manager keeps about 8 bytes per block
+# before any sequence (16M blocks: ~130 MB; 1e6 GiB of Llama-3.1-8B KV would be 4 GB), and slot ids
+# are int32.
 MAX_BLOCKS = 1 << 24
 MAX_SLOTS = (1 << 31) - 1
 MAX_REQUESTS = 1_000_000
@@ -74,8 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _check(args: argparse.Namespace) -> None:
     """Every numeric flag, by the name the user typed, before anything is loaded or simulated."""
     check_int("--num-requests", args.num_requests, 1, MAX_REQUESTS)
-    check_int("--block-size", args.block_size, 1, args.max_len, " (at most --max-len)")
     check_int("--max-len", args.max_len, 2, MAX_LEN)
+    check_int("--block-size", args.block_size, 1, args.max_len, " (at most --max-len)")
     check_int("--max-num-seqs", args.max_num_seqs, 1)
     check_int("--n", args.n, 1, 1024)
     check_int("--beam-width", args.beam_width, 1, 1024)
