@@ -224,13 +224,22 @@ def test_missing_trace_file(capsys, tmp_path):
     fails(["report", "--trace", str(tmp_path / "t.jsonl")], capsys, "--trace", "no such file")
 
 
-def test_a_trace_of_the_wrong_kind_is_named_in_its_section(capsys, tmp_path):
+def test_a_trace_of_the_wrong_kind_is_named_in_its_section(tmp_path, monkeypatch):
+    """prefix_hits needs content hashes: given an Azure trace it says so and replays the shipped
+    Mooncake trace (the replay itself is tested in test_prefix_hits.py)."""
+    from pagedkv.report.options import ReportOptions
+    from pagedkv.report.prefix_hits import _mooncake_file
+
+    monkeypatch.delenv("PAGEDKV_DATA", raising=False)
     path = tmp_path / "azure.csv"
     path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n")
-    rc, out, _ = run(["report", "--quick", "--sections", "prefix_hits", "--trace", str(path)], capsys)
-    assert rc == 0
-    assert "The trace given (azure.csv) is an Azure trace" in " ".join(out.split())
-    assert "replays mooncake_conversation_trace.jsonl.gz instead" in " ".join(out.split())
+    used, why = _mooncake_file(ReportOptions(trace=path))
+    assert used.name == "mooncake_conversation_trace.jsonl.gz"
+    assert why.startswith("The trace given (azure.csv) is an Azure trace")
+    assert why.endswith("replays mooncake_conversation_trace.jsonl.gz instead.")
+    mooncake = tmp_path / "mc.jsonl"
+    mooncake.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0]}\n')
+    assert _mooncake_file(ReportOptions(trace=mooncake)) == (mooncake, None)
 
 
 def test_simulate_replays_a_shipped_trace(capsys):

@@ -44,8 +44,12 @@ def test_replay_small_cache_evicts_and_skips(tmp_path):
 
 def test_quick_section_matches_the_independent_count(monkeypatch):
     monkeypatch.delenv("PAGEDKV_DATA", raising=False)  # the trace shipped with the package
-    sec = section(ReportOptions(quick=True))
+    seen = []
+    sec = section(ReportOptions(quick=True, progress=seen.append))
     d = sec.data
+    blocks = [c["blocks"] for c in d["by_capacity"]]  # each replay announced as it starts
+    assert seen == [f"prefix_hits, first 200: capacity {k}/2 ({b:,} blocks of 16), 200 requests"
+                    for k, b in enumerate(blocks, 1)]
     assert d["requests"] == 200 and d["full_trace_requests"] == 12_031
     assert d["unbounded_hit_rate"] == d["ideal_hit_rate"]  # exact: same rules, no model
     # Data README: ~37% with an unbounded cache over the whole trace (tolerance 1 point).
@@ -74,11 +78,3 @@ def test_replay_reports_progress_by_quarters(tmp_path):
     res = replay(load_mooncake_jsonl(p), 100, 16, progress=seen.append)
     assert seen == [2, 4, 6] and res.requests == 8
 
-
-def test_section_reports_milestones_to_progress(monkeypatch):
-    monkeypatch.delenv("PAGEDKV_DATA", raising=False)
-    seen = []
-    sec = section(ReportOptions(quick=True, progress=seen.append))
-    blocks = [c["blocks"] for c in sec.data["by_capacity"]]
-    assert seen == [f"prefix_hits, first 200: capacity {k}/2 ({b:,} blocks of 16), 200 requests"
-                    for k, b in enumerate(blocks, 1)]

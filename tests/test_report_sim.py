@@ -137,10 +137,6 @@ def test_sharing_section_quick():
         assert all(saved[f"{label} beam={k}"] > saved[f"{label} n={k}"] for k in (2, 4, 6))
 
 
-def test_sharing_paper_column_only_at_the_papers_block_size():
-    t = sharing.section(ReportOptions(quick=True, block_size=32)).tables[0]
-    assert set(t.column("paper %")) == {None}
-
 
 def test_sections_validate_options():
     for mod in (fig2, block_size_section, sharing):

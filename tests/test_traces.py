@@ -258,10 +258,10 @@ def test_traces_ship_with_the_package(monkeypatch):
     monkeypatch.delenv("PAGEDKV_DATA", raising=False)
     d = default_data_dir()
     assert d == bundled_data_dir() and d.name == "data" and d.parent.name == "pagedkv"
-    for name, count in (("azure-conv", 19_366), ("azure-code", 8_819), ("mooncake", 12_031)):
+    for name in ("azure-conv", "azure-code", "mooncake"):  # full contents: the tests above
         path = trace_path(name)
         assert path is not None and path.parent == d and path.suffix == ".gz"
-        assert len(load_trace(path)) == count
+        assert len(load_trace(path, limit=5)) == 5
     notice = (d / "NOTICE.md").read_text()
     assert "CC-BY-4.0" in notice and "Azure LLM inference trace 2023" in notice and "Apache" in notice
     assert "hash_ids" in (d / "README.md").read_text()
