@@ -163,7 +163,7 @@ def test_plot_table_draws_what_the_hint_names(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["01-line-a-line-x-vs-y.png", "02-bars.png"]
 
 
-def test_plots_are_optional(tmp_path, monkeypatch):
+def test_plots_are_optional(tmp_path, monkeypatch, capsys):
     """Without matplotlib the report still writes its Markdown and JSON, and says nothing is drawn."""
     from pagedkv.report import plots
 
@@ -173,6 +173,8 @@ def test_plots_are_optional(tmp_path, monkeypatch):
     written = write_report(sections, ReportOptions(quick=True), tmp_path / "out")
     assert [p.name for p in written] == ["report.md", "report.json"]
     assert "![" not in (tmp_path / "out" / "report.md").read_text()
+    assert main(["report", "--quick", "--sections", "cow_case", "--out", str(tmp_path / "cli")]) == 0
+    assert "no PNG plots: matplotlib is not installed" in capsys.readouterr().err
 
 
 # ---- text rendering -----------------------------------------------------------------------------

@@ -107,7 +107,11 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write(render_text(sections))
     sys.stdout.flush()
     if args.out is not None:
+        from ..report.plots import plot_available
+
         for path in write_report(sections, opts, args.out):
             print(f"wrote {path}", file=sys.stderr)
+        if not plot_available():
+            print("no PNG plots: matplotlib is not installed (pip install 'pagedkv[plot]')", file=sys.stderr)
     print(f"[pagedkv report] done in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return 0
