@@ -24,6 +24,7 @@ __all__ = [
     "check_out_dir",
     "check_out_file",
     "check_data_dir",
+    "check_model",
     "one_line",
 ]
 
@@ -110,3 +111,14 @@ def check_data_dir(flag: str, path: Path | None) -> None:
     if env is not None and not Path(env).expanduser().is_dir():
         raise UsageError(f"PAGEDKV_DATA={env} is not a directory (unset it to use the traces "
                          "shipped with pagedkv)")
+
+
+def check_model(flag: str, name: str):
+    """The built-in model ``name`` (a ``ModelSpec``), or a :class:`UsageError` naming ``flag``."""
+    from ..sim.sizing import builtin_models, get_model
+
+    try:
+        return get_model(name)
+    except ValueError:
+        raise UsageError(f"{flag} {name!r} is not a built-in model; choose from "
+                         f"{', '.join(builtin_models())} (pagedkv size --list)") from None

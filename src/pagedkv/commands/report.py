@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from ..report import SECTIONS, ReportOptions, build_report, render_text, write_report
-from . import UsageError, check_data_dir, check_int, check_out_dir, reports_errors
+from . import UsageError, check_data_dir, check_int, check_model, check_out_dir, reports_errors
 
 MAX_BLOCK_SIZE = 2048  # the report's context limit (the vLLM paper's max length)
 
@@ -79,11 +79,9 @@ def _check_user_traces(data_dir: Path | None) -> None:
 
 
 def _options(args: argparse.Namespace, progress) -> ReportOptions:
-    from ..sim.sizing import get_model
-
     check_int("--block-size", args.block_size, 1, MAX_BLOCK_SIZE, " (the report's context limit)")
     check_int("--seed", args.seed, 0)
-    get_model(args.model)
+    check_model("--model", args.model)
     check_data_dir("--data-dir", args.data_dir)
     _check_user_traces(args.data_dir)
     if args.trace is not None:

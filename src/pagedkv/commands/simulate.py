@@ -27,7 +27,7 @@ from ..sim.costmodel import H100_BF16_FLOPS, H100_HBM_BYTES_PER_S, CostModel
 from ..sim.metrics import compute
 from ..sim.scheduler import simulate
 from ..tables import Table
-from . import UsageError, check_data_dir, check_int, check_number, reports_errors
+from . import UsageError, check_data_dir, check_int, check_model, check_number, reports_errors
 
 __all__ = ["add_arguments", "run", "MAX_BLOCKS", "MAX_REQUESTS", "MAX_LEN", "SHIPPED_TRACES"]
 
@@ -112,10 +112,11 @@ def _check_capacity(args: argparse.Namespace, num_blocks: int, size: sizing.KVSi
 
 def _memory(args: argparse.Namespace) -> tuple[int, CostModel]:
     """(num_blocks, cost model) for the chosen model and GPU."""
-    spec = sizing.get_model(args.model)
+    spec = check_model("--model", args.model)
     weights = sizing.estimate_weight_bytes(spec)
     if weights is None:
-        raise ValueError(f"cannot estimate {args.model}'s weights; choose a dense model")
+        raise UsageError(f"--model {spec.name}: cannot estimate the weights of a mixture-of-experts "
+                         "or MLA model; choose a dense model")
     size = sizing.kv_size(spec, block_size=args.block_size)
     if args.kv_gib is not None:
         cap = sizing.fit_blocks(size, kv_budget_gib=args.kv_gib)
