@@ -1,7 +1,7 @@
 """The benchmark scripts run and produce well-formed rows.
 
 Only shape is checked: every row has a positive median and the documented keys. Speed is never
-asserted in tests (machines differ; benchmarks/run.py reports medians against DESIGN.md's targets).
+asserted in tests (machines differ; benchmarks/run.py reports medians against the targets of docs/design.md).
 """
 from __future__ import annotations
 

@@ -9,9 +9,7 @@ import pytest
 from pagedkv.report.options import ReportOptions
 from pagedkv.report.prefix_hits import ideal_hits, replay, section
 from pagedkv.sim.request import Request
-from pagedkv.sim.traces import default_data_dir, load_mooncake_jsonl
-
-needs_data = pytest.mark.skipif(default_data_dir() is None, reason="public traces absent")
+from pagedkv.sim.traces import load_mooncake_jsonl
 
 
 def test_ideal_hits_worked_example():
@@ -44,10 +42,14 @@ def test_replay_small_cache_evicts_and_skips(tmp_path):
         replay(reqs, 0, 16)
 
 
-@needs_data
-def test_quick_section_matches_the_independent_count():
-    sec = section(ReportOptions(quick=True))
+def test_quick_section_matches_the_independent_count(monkeypatch):
+    monkeypatch.delenv("PAGEDKV_DATA", raising=False)  # the trace shipped with the package
+    seen = []
+    sec = section(ReportOptions(quick=True, progress=seen.append))
     d = sec.data
+    blocks = [c["blocks"] for c in d["by_capacity"]]  # each replay announced as it starts
+    assert seen == [f"prefix_hits, first 200: capacity {k}/2 ({b:,} blocks of 16), 200 requests"
+                    for k, b in enumerate(blocks, 1)]
     assert d["requests"] == 200 and d["full_trace_requests"] == 12_031
     assert d["unbounded_hit_rate"] == d["ideal_hit_rate"]  # exact: same rules, no model
     # Data README: ~37% with an unbounded cache over the whole trace (tolerance 1 point).
@@ -66,3 +68,13 @@ def test_section_without_data(monkeypatch, tmp_path):
     assert sec.data["skipped"] and "not found" in sec.to_text()
     with pytest.raises(ValueError):
         section("quick")
+
+
+def test_replay_reports_progress_by_quarters(tmp_path):
+    lines = [{"timestamp": i, "input_length": 100, "output_length": 1, "hash_ids": [i]} for i in range(8)]
+    p = tmp_path / "mc.jsonl"
+    p.write_text("\n".join(json.dumps(x) for x in lines))
+    seen = []
+    res = replay(load_mooncake_jsonl(p), 100, 16, progress=seen.append)
+    assert seen == [2, 4, 6] and res.requests == 8
+

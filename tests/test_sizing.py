@@ -1,6 +1,6 @@
 """Sizing: KV bytes per token/block from config fields, tensor parallelism, and what fits.
 
-Every expected value below is a published figure (DESIGN.md, the vLLM paper's Table 1) used as a
+Every expected value below is a published figure (docs/design.md, the vLLM paper's Table 1) used as a
 check; the library computes them from architecture fields.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pagedkv.sim.sizing import (
     spec_from_config,
 )
 
-# DESIGN.md "Reference numbers": KV bytes per token.
+# The design's "Reference numbers" (docs/design.md): KV bytes per token.
 DESIGN_VALUES = {
     "Llama-3.1-8B": 131_072,
     "Llama-3.1-70B": 327_680,
@@ -229,3 +229,30 @@ def test_cli_gpu_config_and_errors(capsys, tmp_path):
     assert rc == 2 and "--weights-gib" in err
     rc, _, err = _run([], capsys)
     assert rc == 2 and "model name" in err
+
+
+@pytest.mark.parametrize("kwargs", [dict(kv_budget_gib=1e30), dict(kv_budget_gib=float("inf")),
+                                    dict(gpu_mem_gib=1e300, weights_gib=10), dict(gpu_mem_gib=80, weights_gib=1e300)])
+def test_memory_beyond_a_pebibyte_is_refused(kwargs):
+    """1e300 GiB once overflowed a float into a traceback; sizes no device has are typos."""
+    with pytest.raises(ValueError, match="1 PiB"):
+        fit_blocks(kv_size(get_model("OPT-13B")), **kwargs)
+    assert fit_blocks(kv_size(get_model("OPT-13B")), kv_budget_gib=1 << 20).num_blocks == (1 << 50) // (819_200 * 16)
+
+
+@pytest.mark.parametrize("field,value", [("num_attention_heads", 0), ("num_attention_heads", -4),
+                                         ("hidden_size", "4096"), ("num_hidden_layers", 1.5),
+                                         ("num_key_value_heads", 0), ("head_dim", 0), ("n_head", True)])
+def test_config_fields_must_be_positive_integers(field, value):
+    cfg = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096}
+    if field == "n_head":
+        del cfg["num_attention_heads"]
+    cfg[field] = value
+    with pytest.raises(ValueError, match=f"config field {field} must be a positive integer"):
+        spec_from_config(cfg)
+
+
+def test_whole_float_config_fields_are_integers():
+    spec = spec_from_config({"num_hidden_layers": 32.0, "num_attention_heads": 32, "num_key_value_heads": 8.0,
+                             "hidden_size": 4096, "torch_dtype": "bfloat16"})
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (32, 8, 128)

@@ -1,7 +1,7 @@
-"""Trace loaders: the real Azure and Mooncake files (skipped when absent) and tiny synthetic ones.
+"""Trace loaders: the real Azure and Mooncake files shipped in pagedkv/data, and tiny synthetic ones.
 
-Facts checked against ../shared/data/README.md ("facts measured on these files"); tolerances are
-stated per test.
+Facts checked against the shipped data README (pagedkv/data/README.md, measured on these files);
+tolerances are stated per test.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pagedkv import KVCacheManager
 from pagedkv.sim.request import segment_tokens
 from pagedkv.sim.traces import (
     TraceFormatError,
+    bundled_data_dir,
     content_key,
     default_data_dir,
     detect_format,
@@ -24,10 +25,15 @@ from pagedkv.sim.traces import (
     load_trace,
     mooncake_hash_ids,
     trace_path,
+    trace_stem,
 )
 
-DATA = default_data_dir()
-needs_data = pytest.mark.skipif(DATA is None, reason="public traces (../shared/data) absent")
+
+def shipped(name: str):
+    """A trace shipped with the package (whatever PAGEDKV_DATA says)."""
+    path = trace_path(name, bundled_data_dir())
+    assert path is not None and path.name.endswith(".gz"), path
+    return path
 
 
 def tokens(req) -> np.ndarray:
@@ -37,13 +43,12 @@ def tokens(req) -> np.ndarray:
 # ---- real files -----------------------------------------------------------------------------------
 
 
-@needs_data
 @pytest.mark.parametrize("name,count,median_prompt,median_output", [
     ("azure-conv", 19_366, 1020, 129),
     ("azure-code", 8_819, 1469, 13),
 ])
 def test_azure_real(name, count, median_prompt, median_output):
-    reqs = load_azure_csv(trace_path(name))
+    reqs = load_azure_csv(shipped(name))
     assert len(reqs) == count
     p = np.array([r.prompt_len for r in reqs])
     o = np.array([r.output_len for r in reqs])
@@ -55,16 +60,14 @@ def test_azure_real(name, count, median_prompt, median_output):
     assert len({r.segments[0][0] for r in reqs}) == count  # no sharing: one unique key each
 
 
-@needs_data
 def test_azure_timestamps_keep_sub_microsecond_digits():
     # Rows 1 and 2 of the conv trace: 18:15:50.9951690 and 18:15:51.2224670 -> 0.227298 s apart.
-    a, b = load_azure_csv(trace_path("azure-conv"), start=1, limit=2)
+    a, b = load_azure_csv(shipped("azure-conv"), start=1, limit=2)
     assert a.arrival == 0 and b.arrival == pytest.approx(0.227298, abs=1e-9)
 
 
-@needs_data
 def test_mooncake_real_facts():
-    reqs = load_mooncake_jsonl(trace_path("mooncake"))
+    reqs = load_mooncake_jsonl(shipped("mooncake"))
     assert len(reqs) == 12_031
     p = np.array([r.prompt_len for r in reqs])
     o = np.array([r.output_len for r in reqs])
@@ -74,14 +77,13 @@ def test_mooncake_real_facts():
     assert t[0] == 0 and np.all(np.diff(t) >= 0) and 3000 < t[-1] < 3700
 
 
-@needs_data
 def test_mooncake_real_hit_structure():
     """Equal hash_id prefixes => equal token prefixes; the first differing block differs.
 
     Pairs from the first 1,000 requests: each request with the latest earlier request holding its
     longest already-seen id prefix; the 40 deepest such pairs and 20 that share one block.
     """
-    path = trace_path("mooncake")
+    path = shipped("mooncake")
     reqs = load_mooncake_jsonl(path, limit=1000)
     recs = [ids for _, ids in mooncake_hash_ids(path, limit=1000)]
     holder: dict[int, int] = {}  # id -> the latest request that contained it
@@ -104,14 +106,13 @@ def test_mooncake_real_hit_structure():
             assert not np.array_equal(ti[512 * k : 512 * k + 64], tj[512 * k : 512 * k + 64])
 
 
-@needs_data
 def test_mooncake_real_start_limit_and_detection():
-    path = trace_path("mooncake")
-    assert detect_format(path) == "mooncake" and detect_format(trace_path("azure-conv")) == "azure"
+    path = shipped("mooncake")
+    assert detect_format(path) == "mooncake" and detect_format(shipped("azure-conv")) == "azure"
     tail = load_trace(path, start=12_029)
     assert len(tail) == 2 and tail[0].arrival == 0
     assert [r.req_id for r in load_trace(path, start=5, limit=3)] == [
-        f"{path.stem}:{i}" for i in (5, 6, 7)]
+        f"mooncake_conversation_trace:{i}" for i in (5, 6, 7)]
 
 
 # ---- synthetic files ------------------------------------------------------------------------------
@@ -252,6 +253,80 @@ def test_default_data_dir_env(monkeypatch, tmp_path):
         trace_path("sharegpt")
 
 
+def test_traces_ship_with_the_package(monkeypatch):
+    """With no PAGEDKV_DATA the shipped gzipped copies are found, next to their README and NOTICE."""
+    monkeypatch.delenv("PAGEDKV_DATA", raising=False)
+    d = default_data_dir()
+    assert d == bundled_data_dir() and d.name == "data" and d.parent.name == "pagedkv"
+    for name in ("azure-conv", "azure-code", "mooncake"):  # full contents: the tests above
+        path = trace_path(name)
+        assert path is not None and path.parent == d and path.suffix == ".gz"
+        assert len(load_trace(path, limit=5)) == 5
+    notice = (d / "NOTICE.md").read_text()
+    assert "CC-BY-4.0" in notice and "Azure LLM inference trace 2023" in notice and "Apache" in notice
+    assert "hash_ids" in (d / "README.md").read_text()
+    assert "Apache License" in (d / "LICENSE-Apache-2.0.txt").read_text()
+
+
+def test_gzipped_and_plain_files_replay_identically(tmp_path):
+    import gzip
+
+    plain = mooncake_file(tmp_path, name="mc.jsonl")
+    gz = tmp_path / "other" / "mc.jsonl.gz"
+    gz.parent.mkdir()
+    gz.write_bytes(gzip.compress(plain.read_bytes()))
+    assert trace_stem(gz) == trace_stem(plain) == "mc"
+    assert detect_format(gz) == "mooncake"
+    assert load_trace(gz) == load_trace(plain)  # same ids, same content keys, same times
+    renamed = tmp_path / "mc.data"  # recognised by its gzip magic bytes, not its name
+    renamed.write_bytes(gz.read_bytes())
+    assert detect_format(renamed) == "mooncake"
+    assert [r.segments for r in load_mooncake_jsonl(renamed, namespace="mc")] == [r.segments for r in load_trace(plain)]
+    csv = write(tmp_path, "az.csv", AZURE)
+    csv_gz = tmp_path / "other" / "az.csv.gz"
+    csv_gz.write_bytes(gzip.compress(csv.read_bytes()))
+    assert detect_format(csv_gz) == "azure" and load_trace(csv_gz) == load_trace(csv)
+
+
+def test_trace_path_finds_plain_or_gzipped_copies(tmp_path):
+    import gzip
+
+    (tmp_path / "azure_llm_2023_code.csv.gz").write_bytes(gzip.compress(AZURE.encode()))
+    write(tmp_path, "mooncake_conversation_trace.jsonl", "")
+    write(tmp_path, "mooncake_conversation_trace.jsonl.gz", "")
+    assert trace_path("azure-code", tmp_path).name == "azure_llm_2023_code.csv.gz"
+    assert trace_path("mooncake", tmp_path).name == "mooncake_conversation_trace.jsonl"  # plain first
+    assert trace_path("azure-conv", tmp_path) is None
+
+
+@pytest.mark.parametrize("name,content", [
+    ("empty.jsonl", b""),
+    ("blank.jsonl", b"\n  \n"),
+    ("empty.csv", b""),
+    ("header.csv", b"TIMESTAMP,ContextTokens,GeneratedTokens\n"),
+    ("empty.jsonl.gz", __import__("gzip").compress(b"")),
+])
+def test_empty_traces_are_errors_naming_the_file(tmp_path, name, content):
+    p = tmp_path / name
+    p.write_bytes(content)
+    with pytest.raises(TraceFormatError, match=f"{name}: no requests"):
+        load_trace(p)
+    if name.endswith(".jsonl"):
+        with pytest.raises(TraceFormatError, match="no requests"):
+            mooncake_hash_ids(p)
+
+
+@pytest.mark.parametrize("name,content", [
+    ("broken.jsonl.gz", b"\x1f\x8b\x08\x00garbage-not-deflate"),
+    ("latin1.jsonl", b'{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0]}\n\xff\xfe\n'),
+])
+def test_undecodable_traces_are_errors_naming_the_file(tmp_path, name, content):
+    p = tmp_path / name
+    p.write_bytes(content)
+    with pytest.raises(TraceFormatError, match=f"{name}: not a readable text trace"):
+        load_trace(p)
+
+
 # ---- the hit structure, as a property ---------------------------------------------------------------
 
 
@@ -295,3 +370,25 @@ def test_manager_hits_equal_the_hash_id_prediction(tmp_path_factory, records, bl
         want = min(512 * k, n_in - 1) // block_size * block_size
         assert m.add_sequence(i, r.prompt_tokens()) == want
         seen.update(ids)
+
+
+def test_traces_load_from_a_zipped_package(tmp_path):
+    """Imported from a zip archive (no files on disk), the shipped traces are still found."""
+    import subprocess
+    import sys
+    import zipfile
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    archive = tmp_path / "pagedkv.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        for f in (src / "pagedkv").rglob("*"):
+            if f.is_file() and "__pycache__" not in f.parts:
+                z.write(f, f.relative_to(src).as_posix())
+    code = ("from pagedkv.sim.traces import trace_path, load_trace; p = trace_path('mooncake'); "
+            "print(p.name, len(load_trace(p, limit=3)), p.is_file())")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PAGEDKV_DATA"}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPATH": str(archive)},
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["mooncake_conversation_trace.jsonl.gz", "3", "True"]

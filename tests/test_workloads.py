@@ -9,14 +9,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pagedkv.sim.request import Request
-from pagedkv.sim.traces import load_azure_csv, trace_path
+from pagedkv.sim.traces import bundled_data_dir, load_azure_csv, trace_path
 from pagedkv.sim.workloads import (
     AZURE_QUANTILES,
     BUILTIN_WORKLOADS,
     LOGNORMAL_SPECS,
     arrival_times,
     clamp_request,
-    default_data_dir,
     load_workload,
     sample_lengths,
     solve_lognormal_mu,
@@ -67,11 +66,10 @@ def test_azure_like_medians(name, median_prompt, median_output):
     assert abs(np.median(o) - median_output) <= max(1, 0.02 * median_output)
 
 
-@pytest.mark.skipif(default_data_dir() is None, reason="public traces absent")
 @pytest.mark.parametrize("name", ["azure-conv", "azure-code"])
 def test_azure_like_means_match_the_real_trace(name):
     """Tolerance 4%: the piecewise-linear table smooths the heavy tail (measured: 0.8-2.8%)."""
-    real_p, real_o = lens(load_azure_csv(trace_path(name)))
+    real_p, real_o = lens(load_azure_csv(trace_path(name, bundled_data_dir())))
     p, o = lens(load_workload(name, N, seed=2))
     assert p.mean() == pytest.approx(real_p.mean(), rel=0.04)
     assert o.mean() == pytest.approx(real_o.mean(), rel=0.04)

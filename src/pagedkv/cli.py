@@ -1,13 +1,20 @@
 """The ``pagedkv`` command: ``report | simulate | size | bench``.
 
 Each subcommand lives in :mod:`pagedkv.commands` as ``add_arguments(parser)`` and ``run(args)``;
-this module only wires them to argparse.
+this module only wires them to argparse. Every usage error, argparse's own included, is one line
+on stderr and exit status 2; Ctrl-C is one line and exit status 130 (128 + SIGINT, the shell's
+convention).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+from . import __version__
+from .commands import USAGE_EXIT, one_line
+from .tables import plain
 
 COMMANDS = {
     "report": "measure fork cost, copy-on-write and memory waste (the main job)",
@@ -15,17 +22,30 @@ COMMANDS = {
     "size": "KV bytes per token and how many blocks fit, for a model and a GPU",
     "bench": "time the allocator's hot paths (medians against the design targets)",
 }
+INTERRUPTED_EXIT = 130
+
+EPILOG = ("The design, the API contract and the performance targets: docs/design.md in the source "
+          "repository. `pagedkv COMMAND --help` for a command's options.")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (the usage is one ``--help`` away)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(USAGE_EXIT, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pagedkv",
         description="The block allocator behind a paged KV cache, and the tools that measure it.",
+        epilog=EPILOG,
     )
+    parser.add_argument("--version", action="version", version=f"pagedkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         module = importlib.import_module(f"pagedkv.commands.{name}")
-        p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip(),
+        p = sub.add_parser(name, help=help_text, description=plain(module.__doc__ or help_text).strip(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
@@ -33,11 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        print("pagedkv: interrupted", file=sys.stderr)
+        return INTERRUPTED_EXIT
     except BrokenPipeError:  # `pagedkv report | head` is fine
-        sys.stderr.close()
+        # Point stdout at devnull so that the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
 
 

@@ -4,13 +4,66 @@ A section computes its numbers, puts them in :class:`Table` rows, and the CLI re
 tables as aligned text (terminal), Markdown (``--out``), JSON (``--out``) and PNG plots (``--out``,
 when matplotlib is installed). Keeping the numbers in one structure is what keeps the four views
 from disagreeing.
+
+The terminal view fits ``TEXT_WIDTH`` (100) columns, so a report reads in an ordinary terminal and
+survives a pager: prose is wrapped, a column of long explanations becomes a list under its table,
+and a grid still too wide is split into several grids that each repeat the first column (the row
+names). Markdown and JSON keep every table whole. Texts often come from docstrings, so Sphinx
+roles (``:class:`~pagedkv.KVCacheManager```) are reduced to the name they point at.
 """
 from __future__ import annotations
 
+import re
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-__all__ = ["Table", "Section", "fmt"]
+__all__ = ["Table", "Section", "fmt", "plain", "TEXT_WIDTH"]
+
+TEXT_WIDTH = 100  # columns of terminal output
+PROSE_MIN = 30  # a text column with a cell this long is listed under the grid, not inside it
+
+_ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`(~?)([^`]+)`")
+_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def _role_target(m: re.Match) -> str:
+    target = m.group(2)
+    return target.rsplit(".", 1)[-1] if m.group(1) else target
+
+
+def plain(text: str) -> str:
+    """``text`` without reStructuredText markup: ``:class:`~a.B``` -> ``B``, ``:func:`a.f``` ->
+    ``a.f``, ````x```` -> ``x``."""
+    return _LITERAL.sub(r"\1", _ROLE.sub(_role_target, text))
+
+
+def _markdown(text: str) -> str:
+    """reStructuredText roles and literals as Markdown code spans."""
+    return _LITERAL.sub(r"`\1`", _ROLE.sub(lambda m: f"`{_role_target(m)}`", text))
+
+
+def _wrap(text: str, width: int, indent: str = "", hang: str | None = None) -> list[str]:
+    """Wrap one paragraph; ``hang`` indents the continuation lines (default: ``indent``)."""
+    return textwrap.wrap(text, width, initial_indent=indent,
+                         subsequent_indent=indent if hang is None else hang,
+                         break_long_words=True, break_on_hyphens=False) or [indent.rstrip()]
+
+
+def _wrap_block(block: str, width: int) -> list[str]:
+    """A text block: one line is a paragraph, wrapped; several lines are preformatted (a worked
+    example), short lines kept as they are and long ones wrapped under their own indentation
+    (plus two)."""
+    if "\n" not in block:
+        return _wrap(block, width)
+    out = []
+    for line in block.splitlines():
+        if len(line) <= width:
+            out.append(line)
+        else:
+            lead = line[: len(line) - len(line.lstrip())]
+            out += _wrap(line.strip(), width, lead, lead + "  ")
+    return out
 
 
 def fmt(value: Any) -> str:
@@ -56,33 +109,79 @@ class Table:
         i = list(self.columns).index(name)
         return [r[i] for r in self.rows]
 
-    def to_text(self) -> str:
+    def to_text(self, width: int = TEXT_WIDTH) -> str:
+        """Aligned text no wider than ``width``: long text columns listed under the grid, and the
+        other columns split into grids that fit, each repeating the first column."""
         cells = [[str(c) for c in self.columns]] + [[fmt(v) for v in r] for r in self.rows]
-        widths = [max(len(row[i]) for row in cells) for i in range(len(self.columns))]
-
-        def line(row: list[str]) -> str:
-            parts = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
-            return "  ".join(parts).rstrip()
-
-        out = [self.title, line(cells[0]), "  ".join("-" * w for w in widths)]
-        out += [line(r) for r in cells[1:]]
-        out += [f"  {n}" for n in self.notes]
+        prose = [i for i in range(1, len(self.columns))
+                 if any(isinstance(r[i], str) and len(r[i]) >= PROSE_MIN for r in self.rows)]
+        grid = [i for i in range(len(self.columns)) if i not in prose]
+        out = _wrap(plain(self.title), width)
+        for k, group in enumerate(_column_groups(cells, grid, width)):
+            if k:
+                out.append("")
+            out += _grid(cells, group)
+        for i in prose:
+            out.append(f"  {self.columns[i]}:")
+            for row in cells[1:]:
+                out += _wrap(f"{row[0]}: {row[i]}", width, "  - ", "      ")
+        out += [line for n in self.notes for line in _wrap(plain(n), width, "  ", "    ")]
         return "\n".join(out)
 
     def to_markdown(self) -> str:
         head = "| " + " | ".join(self.columns) + " |"
         sep = "|" + "|".join(["---"] + ["---:"] * (len(self.columns) - 1)) + "|"
         body = ["| " + " | ".join(fmt(v) for v in r) + " |" for r in self.rows]
-        notes = [f"\n{n}" for n in self.notes]
-        return "\n".join([f"**{self.title}**", "", head, sep, *body, *notes])
+        notes = [f"\n{_markdown(n)}" for n in self.notes]
+        return "\n".join([f"**{_markdown(self.title)}**", "", head, sep, *body, *notes])
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "title": self.title,
             "columns": list(self.columns),
             "rows": [list(r) for r in self.rows],
-            "notes": list(self.notes),
+            "notes": [plain(n) for n in self.notes],
         }
+
+
+def _column_groups(cells: list[list[str]], columns: list[int], width: int) -> list[list[int]]:
+    """Split ``columns`` (the first one being the row names) into as few runs as fit ``width``,
+    as even in width as that allows; every run starts with the row names. A single column wider
+    than ``width`` gets a run alone."""
+    widths = {i: max(len(row[i]) for row in cells) for i in columns}
+    first, rest = columns[0], columns[1:]
+
+    def greedy(limit: int) -> list[list[int]]:
+        groups, current, used = [], [first], widths[first]
+        for i in rest:
+            if len(current) > 1 and used + 2 + widths[i] > limit:
+                groups.append(current)
+                current, used = [first], widths[first]
+            current.append(i)
+            used += 2 + widths[i]
+        return groups + [current]
+
+    fewest = greedy(width)
+    if len(fewest) == 1:
+        return fewest
+    body = sum(2 + widths[i] for i in rest)
+    for limit in range(widths[first] + body // len(fewest), width):
+        even = greedy(limit)
+        if len(even) == len(fewest):
+            return even
+    return fewest
+
+
+def _grid(cells: list[list[str]], columns: list[int]) -> list[str]:
+    """Header, rule and rows of ``columns``: the first left-aligned, the others right-aligned."""
+    widths = [max(len(row[i]) for row in cells) for i in columns]
+
+    def line(row: list[str]) -> str:
+        parts = [row[columns[0]].ljust(widths[0])]
+        parts += [row[i].rjust(w) for i, w in zip(columns[1:], widths[1:])]
+        return "  ".join(parts).rstrip()
+
+    return [line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]]
 
 
 @dataclass
@@ -96,28 +195,30 @@ class Section:
     text: list[str] = field(default_factory=list)  # preformatted blocks (worked examples)
     data: dict[str, Any] = field(default_factory=dict)  # headline numbers for JSON and tests
 
-    def to_text(self) -> str:
-        out = [f"{self.heading}\n{'=' * len(self.heading)}"]
+    def to_text(self, width: int = TEXT_WIDTH) -> str:
+        """The section as terminal text no line of which is wider than ``width``."""
+        heading = plain(self.heading)
+        out = [f"{heading}\n{'=' * min(len(heading), width)}"]
         if self.intro:
-            out.append(self.intro)
-        out += self.text
-        out += [t.to_text() for t in self.tables]
+            out.append("\n".join(_wrap(plain(self.intro), width)))
+        out += ["\n".join(_wrap_block(plain(t), width)) for t in self.text]
+        out += [t.to_text(width) for t in self.tables]
         return "\n\n".join(out)
 
     def to_markdown(self) -> str:
-        out = [f"## {self.heading}"]
+        out = [f"## {_markdown(self.heading)}"]
         if self.intro:
-            out.append(self.intro)
-        out += [f"```\n{t}\n```" for t in self.text]
+            out.append(_markdown(self.intro))
+        out += [f"```\n{plain(t)}\n```" for t in self.text]
         out += [t.to_markdown() for t in self.tables]
         return "\n\n".join(out)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "key": self.key,
-            "heading": self.heading,
-            "intro": self.intro,
-            "text": list(self.text),
+            "heading": plain(self.heading),
+            "intro": plain(self.intro),
+            "text": [plain(t) for t in self.text],
             "data": self.data,
             "tables": [t.to_dict() for t in self.tables],
         }

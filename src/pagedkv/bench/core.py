@@ -1,11 +1,11 @@
-"""Benchmarks of the allocator core: every row of DESIGN.md's "Performance targets" table.
+"""Benchmarks of the allocator core: every row of the "Performance targets" table of docs/design.md.
 
 ``rows(quick)`` returns one dict per measured quantity::
 
     {"name": str, "median": float, "unit": str, "target": float | None, "note": str}
 
 ``median`` is the median over timed samples (see :mod:`pagedkv.bench.harness` for why medians), in ``unit``.
-``target`` is the number DESIGN.md sets for that row (``None`` where it sets none); it is a goal,
+``target`` is the number docs/design.md sets for that row (``None`` where it sets none); it is a goal,
 never a result. ``pagedkv bench`` (and ``benchmarks/run.py``) prints these rows with a ratio ``median / target`` (≤ 1 meets it).
 
 All inputs (prompts, decoded tokens) are generated with a seeded numpy generator and converted to
@@ -555,7 +555,7 @@ def _bench_calibration(quick: bool) -> dict:
 
 
 def rows(quick: bool = False) -> list[dict]:
-    """Every benchmark row of the core, in DESIGN.md's table order, extras after their kin."""
+    """Every benchmark row of the core, in the design's table order, extras after their kin."""
     out: list[dict] = [_bench_calibration(quick)]
     out += _bench_append_batch(quick)
     out.append(_bench_append_token(quick))

@@ -1,7 +1,7 @@
 """Benchmarks of the physical KV store: what copy-on-write copies and paging cost a kernel here.
 
 ``rows(quick)`` returns dicts ``{"name", "median", "unit", "target", "note"}`` like
-``bench_core.rows`` (``run.py`` prints both). Nothing here has a DESIGN.md target (``None``).
+``bench_core.rows`` (``run.py`` prints both). Nothing here has a target in docs/design.md (``None``).
 
 * **copy throughput**: one ``copy_blocks`` call running a decode step's copy-on-write copies (256
   forked sequences each copying its shared partial block, all layers, K and V) at a Llama-like

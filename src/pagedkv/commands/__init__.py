@@ -1,0 +1,124 @@
+"""The subcommands of ``pagedkv``: each module has ``add_arguments(parser)`` and ``run(args)``.
+
+What they share is how bad input ends: one line on stderr, ``pagedkv CMD: error: ...``, naming
+the flag as the user typed it, and exit status 2 (argparse's own code for usage errors), before
+any work is done. :func:`reports_errors` turns a ``ValueError`` raised by ``run`` (a
+:class:`UsageError` from the checks below, or a library ``ValueError`` such as a malformed trace)
+into that line; the helpers below check the values the library would otherwise reject under its
+own parameter names.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+__all__ = [
+    "UsageError",
+    "reports_errors",
+    "check_int",
+    "check_number",
+    "check_out_dir",
+    "check_out_file",
+    "check_data_dir",
+    "check_model",
+    "one_line",
+]
+
+USAGE_EXIT = 2  # argparse's exit status for a usage error; every subcommand uses it
+
+
+class UsageError(ValueError):
+    """A command-line value the command cannot use; the message names the flag."""
+
+
+def one_line(message: object) -> str:
+    """``message`` as a single line (an error message must not spill over several)."""
+    return " ".join(str(message).split())
+
+
+def reports_errors(command: str) -> Callable:
+    """Decorate ``run(args)``: a ``ValueError`` becomes one line on stderr and exit status 2."""
+    def wrap(run: Callable) -> Callable:
+        @functools.wraps(run)
+        def guarded(args) -> int:
+            try:
+                return int(run(args) or 0)
+            except ValueError as e:
+                print(f"pagedkv {command}: error: {one_line(e)}", file=sys.stderr)
+                return USAGE_EXIT
+        return guarded
+    return wrap
+
+
+def check_int(flag: str, value: int, lo: int, hi: int | None = None, why: str = "") -> None:
+    """``lo <= value <= hi`` or a :class:`UsageError` naming ``flag`` (``why`` explains ``hi``)."""
+    if value < lo or (hi is not None and value > hi):
+        bound = f">= {lo:,}" if hi is None else f"between {lo:,} and {hi:,}"
+        raise UsageError(f"{flag} must be {bound}{why}, got {value:,}")
+
+
+def check_number(flag: str, value: float, *, lo: float = 0.0, lo_open: bool = True,
+                 hi: float | None = None, why: str = "") -> None:
+    """A finite ``value`` above ``lo`` (or at it, when ``lo_open`` is False) and at most ``hi``."""
+    below = value <= lo if lo_open else value < lo
+    if not math.isfinite(value) or below or (hi is not None and value > hi):
+        bound = f"{'>' if lo_open else '>='} {lo:g}" + ("" if hi is None else f" and <= {_number(hi)}")
+        raise UsageError(f"{flag} must be a finite number {bound}{why}, got {value:g}")
+
+
+def _number(x: float) -> str:
+    """``1048576.0`` -> ``1,048,576``; ``0.5`` -> ``0.5``."""
+    return f"{x:,.0f}" if float(x).is_integer() else f"{x:g}"
+
+
+def check_out_dir(flag: str, path: Path) -> Path:
+    """Create the output directory ``path`` now (before any work) and check it is writable."""
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{flag} {path} exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot create the directory ({e.strerror or e})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: the directory is not writable")
+    return path
+
+
+def check_out_file(flag: str, path: Path) -> Path:
+    """Check, before any work, that the file ``path`` can be written (its directory exists and
+    is writable, and it is not itself a directory)."""
+    if path.is_dir():
+        raise UsageError(f"{flag} {path} is a directory, not a file")
+    parent = path.parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"{flag} {path}: not writable")
+    return path
+
+
+def check_data_dir(flag: str, path: Path | None) -> None:
+    """``--data-dir`` (or ``$PAGEDKV_DATA`` when the flag is absent) must be a directory."""
+    if path is not None:
+        if not path.is_dir():
+            raise UsageError(f"{flag} {path} is not a directory")
+        return
+    env = os.environ.get("PAGEDKV_DATA")
+    if env is not None and not Path(env).expanduser().is_dir():
+        raise UsageError(f"PAGEDKV_DATA={env} is not a directory (unset it to use the traces "
+                         "shipped with pagedkv)")
+
+
+def check_model(flag: str, name: str):
+    """The built-in model ``name`` (a ``ModelSpec``), or a :class:`UsageError` naming ``flag``."""
+    from ..sim.sizing import builtin_models, get_model
+
+    try:
+        return get_model(name)
+    except ValueError:
+        raise UsageError(f"{flag} {name!r} is not a built-in model; choose from "
+                         f"{', '.join(builtin_models())} (pagedkv size --list)") from None

@@ -1,7 +1,8 @@
 """``pagedkv report``: the main job. Measures fork cost, copy-on-write, and memory waste.
 
-With no arguments it runs every section on built-in workloads (no files needed) and prints
-plain-text tables; ``--out DIR`` also writes report.md, report.json and PNG plots.
+With no arguments it runs every section on the built-in workloads and the public traces shipped
+with pagedkv, and prints plain-text tables (about a minute on two cores); ``--out DIR`` also
+writes report.md, report.json and PNG plots. Progress goes to stderr, the report to stdout.
 """
 from __future__ import annotations
 
@@ -11,45 +12,104 @@ import time
 from pathlib import Path
 
 from ..report import SECTIONS, ReportOptions, build_report, render_text, write_report
+from . import UsageError, check_data_dir, check_int, check_model, check_out_dir, reports_errors
+
+MAX_BLOCK_SIZE = 2048  # the report's context limit (the vLLM paper's max length)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="Llama-3.1-8B", help="model whose KV bytes per token turn blocks into bytes")
+    p.add_argument("--model", default="Llama-3.1-8B", metavar="NAME",
+                   help="model whose KV bytes per token turn blocks into bytes (pagedkv size --list)")
     p.add_argument("--block-size", type=int, default=16, help="block size of the paged runs (default 16)")
-    p.add_argument("--trace", type=Path, default=None, help="replay this trace file (Azure CSV or Mooncake JSONL)")
-    p.add_argument("--data-dir", type=Path, default=None, help="where the public traces are (default ../shared/data)")
-    p.add_argument("--sections", default=None, help=f"comma-separated subset of: {','.join(SECTIONS)}")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="small workloads (seconds): a smoke run")
-    p.add_argument("--out", type=Path, default=None, help="also write report.md, report.json and PNG plots here")
+    p.add_argument("--trace", type=Path, default=None, metavar="FILE",
+                   help="also replay this trace file (Azure CSV or Mooncake JSONL, plain or .gz): "
+                        "fig2 serves it; prefix_hits replays it if it is a Mooncake trace")
+    p.add_argument("--data-dir", type=Path, default=None, metavar="DIR",
+                   help="a directory with your own copies of the public traces (default: the ones "
+                        "shipped with pagedkv, or $PAGEDKV_DATA)")
+    p.add_argument("--sections", default=None, metavar="A,B",
+                   help=f"run only these sections, in this order; any of: {', '.join(SECTIONS)}")
+    p.add_argument("--seed", type=int, default=0, help="seed of every workload (default 0)")
+    p.add_argument("--quick", action="store_true",
+                   help="small workloads: under 10 s on two cores instead of about a minute; a smoke "
+                        "run whose numbers are noisier")
+    p.add_argument("--out", type=Path, default=None, metavar="DIR",
+                   help="also write report.md, report.json and PNG plots (with matplotlib) here")
 
 
+def _sections(text: str | None) -> list[str] | None:
+    """The ``--sections`` list, in the order given; empty, unknown or repeated names are errors."""
+    if text is None:
+        return None
+    keys = [k.strip() for k in text.split(",")]
+    if not any(keys):
+        raise UsageError(f"--sections is empty; choose from {','.join(SECTIONS)}")
+    if "" in keys:
+        raise UsageError(f"--sections {text!r} has an empty name (a stray comma)")
+    unknown = [k for k in keys if k not in SECTIONS]
+    if unknown:
+        raise UsageError(f"--sections: unknown {', '.join(unknown)}; choose from {','.join(SECTIONS)}")
+    repeated = sorted({k for k in keys if keys.count(k) > 1}, key=keys.index)
+    if repeated:
+        raise UsageError(f"--sections names {', '.join(repeated)} more than once")
+    return keys
+
+
+def _check_trace(path: Path) -> None:
+    """Read the whole ``--trace`` now, so that a malformed line stops the report before it starts."""
+    from ..sim.traces import load_trace
+
+    if not path.is_file():
+        raise UsageError(f"--trace {path}: no such file")
+    load_trace(path)
+
+
+def _check_user_traces(data_dir: Path | None) -> None:
+    """Read the traces of a user's data directory (``--data-dir`` or ``$PAGEDKV_DATA``) now: a
+    malformed copy must stop the report before the first section, not after five of them."""
+    from ..sim.traces import TRACE_FILES, bundled_data_dir, default_data_dir, load_trace, trace_path
+
+    directory = data_dir if data_dir is not None else default_data_dir()
+    if directory is None or directory == bundled_data_dir():
+        return
+    for name in TRACE_FILES:
+        path = trace_path(name, directory)
+        if path is not None:
+            load_trace(path)
+
+
+def _options(args: argparse.Namespace, progress) -> ReportOptions:
+    check_int("--block-size", args.block_size, 1, MAX_BLOCK_SIZE, " (the report's context limit)")
+    check_int("--seed", args.seed, 0)
+    check_model("--model", args.model)
+    check_data_dir("--data-dir", args.data_dir)
+    _check_user_traces(args.data_dir)
+    if args.trace is not None:
+        _check_trace(args.trace)
+    return ReportOptions(model=args.model, block_size=args.block_size, seed=args.seed, quick=args.quick,
+                         trace=args.trace, data_dir=args.data_dir, progress=progress)
+
+
+@reports_errors("report")
 def run(args: argparse.Namespace) -> int:
-    if args.block_size < 1:
-        raise SystemExit("pagedkv report: --block-size must be >= 1")
-    if args.trace is not None and not args.trace.is_file():
-        raise SystemExit(f"pagedkv report: no trace file at {args.trace}")
-    opts = ReportOptions(
-        model=args.model,
-        block_size=args.block_size,
-        seed=args.seed,
-        quick=args.quick,
-        trace=args.trace,
-        data_dir=args.data_dir,
-    )
-    keys = [k.strip() for k in args.sections.split(",") if k.strip()] if args.sections else None
     t0 = time.perf_counter()
 
-    def progress(key: str) -> None:
-        print(f"[pagedkv report] {key} ({time.perf_counter() - t0:.1f}s)", file=sys.stderr, flush=True)
+    def progress(message: str) -> None:
+        print(f"[pagedkv report] {message} ({time.perf_counter() - t0:.1f}s)", file=sys.stderr, flush=True)
 
-    try:
-        sections = build_report(opts, keys, progress)
-    except ValueError as exc:
-        raise SystemExit(f"pagedkv report: {exc}") from None
-    sys.stdout.write(render_text(sections))
+    keys = _sections(args.sections)
+    opts = _options(args, progress)
     if args.out is not None:
+        check_out_dir("--out", args.out)
+    sections = build_report(opts, keys, progress)
+    sys.stdout.write(render_text(sections))
+    sys.stdout.flush()
+    if args.out is not None:
+        from ..report.plots import plot_available
+
         for path in write_report(sections, opts, args.out):
             print(f"wrote {path}", file=sys.stderr)
+        if not plot_available():
+            print("no PNG plots: matplotlib is not installed (pip install 'pagedkv[plot]')", file=sys.stderr)
     print(f"[pagedkv report] done in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return 0

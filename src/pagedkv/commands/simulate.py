@@ -3,8 +3,12 @@
 Examples::
 
     pagedkv simulate sharegpt --allocator all --num-requests 500
-    pagedkv simulate ../shared/data/azure_llm_2023_conv.csv --num-requests 2000 --rate 4 --progress
+    pagedkv simulate azure-conv-trace --num-requests 2000 --rate 4 --progress
+    pagedkv simulate my_trace.jsonl.gz --num-requests 1000
     pagedkv simulate alpaca --beam-width 4 --model OPT-13B --kv-gib 12
+
+``azure-conv-trace``, ``azure-code-trace`` and ``mooncake-trace`` replay the public traces shipped
+with pagedkv (``azure-conv`` and ``azure-code`` are synthetic twins of the Azure traces' lengths).
 
 The KV memory is what the model leaves on the GPU (``--gpu-mem-gib`` x ``--util`` - weights, as
 ``pagedkv size`` computes it) or ``--kv-gib``; step times come from the bandwidth cost model
@@ -14,9 +18,8 @@ wait, its batch size and its throughput.
 from __future__ import annotations
 
 import argparse
-import math
-import sys
 from dataclasses import replace
+from pathlib import Path
 
 from ..sim import sizing
 from ..sim.baselines import ALLOCATORS, make_allocator
@@ -24,13 +27,25 @@ from ..sim.costmodel import H100_BF16_FLOPS, H100_HBM_BYTES_PER_S, CostModel
 from ..sim.metrics import compute
 from ..sim.scheduler import simulate
 from ..tables import Table
+from . import UsageError, check_data_dir, check_int, check_model, check_number, reports_errors
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "run", "MAX_BLOCKS", "MAX_REQUESTS", "MAX_LEN", "SHIPPED_TRACES"]
+
+# What one run can hold in memory and time on a laptop: the manager keeps about 8 bytes per block
+# before any sequence (16M blocks: ~130 MB; 1e6 GiB of Llama-3.1-8B KV would be 4 GB), and slot ids
+# are int32.
+MAX_BLOCKS = 1 << 24
+MAX_SLOTS = (1 << 31) - 1
+MAX_REQUESTS = 1_000_000
+MAX_LEN = 1 << 20
+# Workload names that replay a trace shipped with pagedkv (short names of sim.traces.TRACE_FILES).
+SHIPPED_TRACES = {"azure-conv-trace": "azure-conv", "azure-code-trace": "azure-code", "mooncake-trace": "mooncake"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Register ``simulate``'s options on ``p``."""
-    p.add_argument("workload", help="built-in workload (sharegpt, alpaca, azure-conv, azure-code) or a trace file")
+    p.add_argument("workload", help="built-in workload (sharegpt, alpaca, azure-conv, azure-code), a shipped "
+                                    "trace (azure-conv-trace, azure-code-trace, mooncake-trace) or a trace file")
     p.add_argument("--allocator", default="all", choices=[*ALLOCATORS, "all"], help="default: all four")
     p.add_argument("--num-requests", type=int, default=500, help="requests to serve (default 500)")
     p.add_argument("--rate", type=float, default=None,
@@ -52,42 +67,96 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true", help="paged: turn prefix caching off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action="store_true", help="progress bar on stderr")
+    p.add_argument("--data-dir", type=Path, default=None, metavar="DIR",
+                   help="where the shipped-trace names are looked up (default: the traces shipped "
+                        "with pagedkv, or $PAGEDKV_DATA)")
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("num_requests", "block_size", "max_num_seqs", "n", "beam_width"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.max_len < 2:
-        raise ValueError("--max-len must be >= 2")
-    if args.rate is not None and (not math.isfinite(args.rate) or args.rate < 0):
-        raise ValueError("--rate must be a finite number >= 0")
+    """Every numeric flag, by the name the user typed, before anything is loaded or simulated."""
+    check_int("--num-requests", args.num_requests, 1, MAX_REQUESTS)
+    check_int("--max-len", args.max_len, 2, MAX_LEN)
+    check_int("--block-size", args.block_size, 1, args.max_len, " (at most --max-len)")
+    check_int("--max-num-seqs", args.max_num_seqs, 1)
+    check_int("--n", args.n, 1, 1024)
+    check_int("--beam-width", args.beam_width, 1, 1024)
+    check_int("--seed", args.seed, 0)
     if args.n > 1 and args.beam_width > 1:
-        raise ValueError("use --n or --beam-width, not both")
+        raise UsageError("use --n or --beam-width, not both")
+    if args.rate is not None:
+        check_number("--rate", args.rate, lo_open=False)
+    check_number("--gpu-mem-gib", args.gpu_mem_gib, hi=sizing.MAX_MEMORY_GIB, why=" (1 PiB)")
+    check_number("--util", args.util, hi=1.0)
+    if args.kv_gib is not None:
+        check_number("--kv-gib", args.kv_gib, hi=sizing.MAX_MEMORY_GIB, why=" (1 PiB)")
+    check_number("--bandwidth-tbs", args.bandwidth_tbs, hi=1e6)
+    check_number("--tflops", args.tflops, hi=1e9)
+    check_number("--overhead-ms", args.overhead_ms, lo_open=False, hi=1e6)
+    check_data_dir("--data-dir", args.data_dir)
+
+
+def _check_capacity(args: argparse.Namespace, num_blocks: int, size: sizing.KVSize) -> None:
+    """Refuse a KV memory the simulator cannot hold, or one that holds not a single block."""
+    flag = f"--kv-gib {args.kv_gib:g}" if args.kv_gib is not None else f"--gpu-mem-gib {args.gpu_mem_gib:g}"
+    block_mib = size.bytes_per_block / 2**20
+    if num_blocks < 1:
+        raise UsageError(f"{flag} leaves no room for one block ({block_mib:g} MiB of {size.model} KV "
+                         f"at block size {args.block_size})")
+    limit = min(MAX_BLOCKS, MAX_SLOTS // args.block_size)
+    if num_blocks > limit:
+        gib = limit * size.bytes_per_block / sizing.GIB
+        raise UsageError(f"{flag} makes {num_blocks:,} blocks; the simulator holds at most {limit:,} "
+                         f"({gib:,.0f} GiB of {size.model} KV at block size {args.block_size}): "
+                         "give a smaller size")
 
 
 def _memory(args: argparse.Namespace) -> tuple[int, CostModel]:
     """(num_blocks, cost model) for the chosen model and GPU."""
-    spec = sizing.get_model(args.model)
+    spec = check_model("--model", args.model)
     weights = sizing.estimate_weight_bytes(spec)
     if weights is None:
-        raise ValueError(f"cannot estimate {args.model}'s weights; choose a dense model")
+        raise UsageError(f"--model {spec.name}: cannot estimate the weights of a mixture-of-experts "
+                         "or MLA model; choose a dense model")
     size = sizing.kv_size(spec, block_size=args.block_size)
     if args.kv_gib is not None:
         cap = sizing.fit_blocks(size, kv_budget_gib=args.kv_gib)
     else:
+        budget = args.gpu_mem_gib * args.util - weights / sizing.GIB
+        if budget <= 0:
+            raise UsageError(f"--gpu-mem-gib {args.gpu_mem_gib:g} x --util {args.util:g} leaves nothing "
+                             f"for KV after {spec.name}'s {weights / sizing.GIB:.2f} GiB of weights")
         cap = sizing.fit_blocks(size, gpu_mem_gib=args.gpu_mem_gib, util=args.util, weights_gib=weights / sizing.GIB)
+    _check_capacity(args, cap.num_blocks, size)
     cost = CostModel(kv_bytes_per_token=size.bytes_per_token, weight_bytes=weights,
                      bandwidth=args.bandwidth_tbs * 1e12, peak_flops=args.tflops * 1e12,
                      overhead_s=args.overhead_ms / 1e3, model=spec.name)
     return cap.num_blocks, cost
 
 
+def _source(args: argparse.Namespace) -> str | Path:
+    """The workload name or the trace file the positional argument names."""
+    from ..sim.traces import trace_path
+    from ..sim.workloads import BUILTIN_WORKLOADS
+
+    name = args.workload
+    if name.lower() in BUILTIN_WORKLOADS:
+        return name
+    if name.lower() in SHIPPED_TRACES:
+        path = trace_path(SHIPPED_TRACES[name.lower()], args.data_dir)
+        if path is None:
+            raise UsageError(f"{name}: the trace is not in {args.data_dir or 'the data directory'}")
+        return path
+    if not Path(name).is_file():
+        raise UsageError(f"{name!r} is neither a workload ({', '.join([*BUILTIN_WORKLOADS, *SHIPPED_TRACES])}) "
+                         "nor a trace file")
+    return Path(name)
+
+
 def _requests(args: argparse.Namespace) -> list:
     from ..sim.workloads import load_workload
 
     rate = args.rate if args.rate else None
-    reqs = load_workload(args.workload, args.num_requests, args.seed, max_len=args.max_len, rate=rate,
+    reqs = load_workload(_source(args), args.num_requests, args.seed, max_len=args.max_len, rate=rate,
                          n=args.n, beam_width=args.beam_width)
     if args.rate == 0:
         reqs = [replace(r, arrival=0.0) for r in reqs]
@@ -120,14 +189,11 @@ def _table(args: argparse.Namespace, num_blocks: int, cost: CostModel, reqs: lis
     return t
 
 
+@reports_errors("simulate")
 def run(args: argparse.Namespace) -> int:
-    """Print the table; 0 on success, 2 with a message on stderr for bad input."""
-    try:
-        _check(args)
-        num_blocks, cost = _memory(args)
-        reqs = _requests(args)
-        print(_table(args, num_blocks, cost, reqs).to_text())
-        return 0
-    except ValueError as e:
-        print(f"pagedkv simulate: error: {e}", file=sys.stderr)
-        return 2
+    """Print the table; 0 on success, 2 with one line on stderr for bad input."""
+    _check(args)
+    num_blocks, cost = _memory(args)
+    reqs = _requests(args)
+    print(_table(args, num_blocks, cost, reqs).to_text())
+    return 0

@@ -10,10 +10,12 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import sys
+from pathlib import Path
 
 from ..sim.sizing import (
     GIB,
+    MAX_MEMORY_GIB,
+    ModelSpec,
     builtin_models,
     estimate_weight_bytes,
     fit_blocks,
@@ -22,6 +24,7 @@ from ..sim.sizing import (
     spec_from_config,
 )
 from ..tables import Table
+from . import UsageError, check_int, check_number, reports_errors
 
 __all__ = ["add_arguments", "run"]
 
@@ -42,11 +45,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--list", action="store_true", help="list the built-in models and their KV sizes")
 
 
+def _check(args: argparse.Namespace) -> None:
+    """Every flag, by the name the user typed, before anything is computed."""
+    if not args.list:
+        if not args.model and not args.config:
+            raise UsageError("give a model name or --config PATH (or --list)")
+        if args.model and args.config:
+            raise UsageError("give a model name or --config, not both")
+    check_int("--tp", args.tp, 1, 4096)
+    check_int("--block-size", args.block_size, 1, 1 << 20)
+    for flag, value in (("--gpu-mem-gib", args.gpu_mem_gib), ("--kv-gib", args.kv_gib)):
+        if value is not None:
+            check_number(flag, value, hi=MAX_MEMORY_GIB, why=" (1 PiB)")
+    if args.weights_gib is not None:
+        check_number("--weights-gib", args.weights_gib, lo_open=False, hi=MAX_MEMORY_GIB, why=" (1 PiB)")
+    check_number("--util", args.util, hi=1.0)
+    if args.kv_gib is not None and args.gpu_mem_gib is not None:
+        raise UsageError("give --kv-gib or --gpu-mem-gib, not both")
+
+
+def _tp_misfit(spec: ModelSpec, tp: int) -> bool:
+    """True when ``tp`` GPUs cannot share the KV heads evenly: ``tp`` neither divides the heads
+    nor is a multiple of them (each GPU would hold ``ceil(heads / tp)``, some of them idle)."""
+    return not spec.is_mla and spec.num_kv_heads % tp != 0 and tp % spec.num_kv_heads != 0
+
+
+def _check_tp(spec: ModelSpec, tp: int) -> None:
+    if _tp_misfit(spec, tp):
+        h = spec.num_kv_heads
+        divisors = [d for d in range(1, h + 1) if h % d == 0]
+        raise UsageError(f"--tp {tp} does not divide {spec.name}'s {h} KV heads (nor is it a multiple "
+                         f"of {h}): the heads cannot be split evenly; use {', '.join(map(str, divisors))} "
+                         f"or a multiple of {h}")
+
+
 def _list_table(args: argparse.Namespace) -> Table:
     t = Table(f"Built-in models (KV per GPU at tp={args.tp}, block size {args.block_size})",
               ["model", "attention", "layers", "kv heads/GPU", "head dim", "dtype",
                "bytes/token", "KiB/token", "bytes/block"])
+    misfits = []
     for spec in builtin_models().values():
+        if _tp_misfit(spec, args.tp):
+            misfits.append(spec.name)
         s = kv_size(spec, dtype=args.dtype, tp=args.tp, block_size=args.block_size)
         heads = "latent" if spec.is_mla else s.kv_heads_per_gpu
         dim = f"{spec.kv_lora_rank}+{spec.qk_rope_head_dim}" if spec.is_mla else spec.head_dim
@@ -54,11 +94,17 @@ def _list_table(args: argparse.Namespace) -> Table:
               s.bytes_per_token, s.bytes_per_token / 1024, s.bytes_per_block)
     t.notes.append("bytes/token = 2 x layers x kv_heads x head_dim x dtype bytes "
                    "(MLA: layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes)")
+    if misfits:
+        t.notes.append(f"tp={args.tp} does not divide the KV heads of {', '.join(misfits)}: their rows "
+                       f"round up to ceil(kv_heads / {args.tp}) heads per GPU, a split no engine makes")
     return t
 
 
 def _size_tables(args: argparse.Namespace) -> list[Table]:
+    if args.config and not Path(args.config).is_file():
+        raise UsageError(f"--config {args.config}: no such file")
     spec = spec_from_config(args.config) if args.config else get_model(args.model)
+    _check_tp(spec, args.tp)
     s = kv_size(spec, dtype=args.dtype, tp=args.tp, block_size=args.block_size)
     t = Table(f"KV cache size: {spec.name}", ["quantity", "value"])
     t.add("attention", s.attention)
@@ -107,18 +153,12 @@ def _capacity_table(args: argparse.Namespace, spec, s) -> Table | None:
     return t
 
 
+@reports_errors("size")
 def run(args: argparse.Namespace) -> int:
-    """Print the requested tables; return 0, or 2 with a message on stderr for bad input."""
-    try:
-        if args.list:
-            print(_list_table(args).to_text())
-            return 0
-        if not args.model and not args.config:
-            raise ValueError("give a model name or --config PATH (or --list)")
-        if args.model and args.config:
-            raise ValueError("give a model name or --config, not both")
-        print("\n\n".join(t.to_text() for t in _size_tables(args)))
+    """Print the requested tables; return 0, or 2 with one line on stderr for bad input."""
+    _check(args)
+    if args.list:
+        print(_list_table(args).to_text())
         return 0
-    except ValueError as e:
-        print(f"pagedkv size: error: {e}", file=sys.stderr)
-        return 2
+    print("\n\n".join(t.to_text() for t in _size_tables(args)))
+    return 0

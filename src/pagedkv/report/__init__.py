@@ -85,7 +85,7 @@ def write_report(sections: list[Section], opts: ReportOptions, out_dir: Path) ->
 
 
 def _options_dict(opts: ReportOptions) -> dict:
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items()}
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items() if k != "progress"}
 
 
 def _options_line(opts: ReportOptions) -> str:

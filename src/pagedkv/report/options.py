@@ -1,8 +1,9 @@
 """What a user can ask of ``pagedkv report``; every report section takes one of these."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -12,7 +13,10 @@ class ReportOptions:
     ``quick`` shrinks every workload (used by the test suite, which checks the report's shape and
     honesty, not its final digits). ``model`` names the model whose KV bytes per token are used to
     turn blocks into bytes (see ``pagedkv size --list``). ``trace`` replays a real trace file in the
-    sections that take one; ``data_dir`` is where the bundled public traces are looked for.
+    sections that take one; ``data_dir`` is where the public traces are looked for (default: the
+    copies shipped with pagedkv, or ``$PAGEDKV_DATA``). ``progress``, when given, receives one
+    line at each milestone of a long section (the CLI prints them on stderr); it is not an option
+    of the results and is left out of report.json.
     """
 
     model: str = "Llama-3.1-8B"
@@ -21,3 +25,9 @@ class ReportOptions:
     quick: bool = False
     trace: Path | None = None
     data_dir: Path | None = None
+    progress: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
+
+    def note(self, message: str) -> None:
+        """Report a milestone of a long section to ``progress`` (nothing without one)."""
+        if self.progress is not None:
+            self.progress(message)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -34,7 +35,9 @@ from ..sim.request import Request, segment_tokens
 from ..sim.sizing import GIB, get_model, kv_size
 from ..sim.traces import (
     MOONCAKE_BLOCK,
+    TRACE_FILES,
     content_key,
+    default_data_dir,
     detect_format,
     load_mooncake_jsonl,
     mooncake_hash_ids,
@@ -99,11 +102,12 @@ def _append(m: KVCacheManager, running: list, sid: int, tokens: np.ndarray) -> N
 
 def replay(requests: list[Request], num_blocks: int, block_size: int, *,
            max_running: int = MAX_RUNNING, append_outputs: bool = True,
-           hash_algo: str = HASH_ALGO) -> ReplayResult:
+           hash_algo: str = HASH_ALGO, progress: Callable[[int], None] | None = None) -> ReplayResult:
     """Replay ``requests`` in order through a fresh manager of ``num_blocks`` blocks.
 
-    Example: the first 200 Mooncake requests with a cache that never evicts hit ~6% of their
-    prompt tokens (the ideal for those 200).
+    ``progress``, when given, is called with the number of requests replayed so far after each
+    quarter of them (a whole-trace replay takes tens of seconds). Example: the first 200 Mooncake
+    requests with a cache that never evicts hit ~6% of their prompt tokens (the ideal for those 200).
     """
     if not isinstance(requests, list) or not all(isinstance(r, Request) for r in requests):
         raise ValueError("requests must be a list of Request")
@@ -114,7 +118,10 @@ def replay(requests: list[Request], num_blocks: int, block_size: int, *,
                        enable_events=False)
     running: list[int] = []
     skipped = 0
+    quarter = max(1, -(-len(requests) // 4))
     for i, r in enumerate(requests):
+        if progress is not None and i and i % quarter == 0:
+            progress(i)
         while len(running) >= max_running:
             m.free(running.pop(0))
         if not _admit(m, running, i, np.concatenate([segment_tokens(k, n) for k, n in r.segments])):
@@ -151,10 +158,18 @@ def ideal_hits(records: list[tuple[int, list[int]]], block_size: int | None = No
     return hit, total
 
 
-def _mooncake_file(opts: ReportOptions) -> Path | None:
-    if opts.trace is not None and Path(opts.trace).is_file() and detect_format(opts.trace) == "mooncake":
-        return Path(opts.trace)
-    return trace_path("mooncake", opts.data_dir)
+def _mooncake_file(opts: ReportOptions) -> tuple[Path | None, str | None]:
+    """The Mooncake trace to replay, and a sentence when ``opts.trace`` cannot be it."""
+    if opts.trace is not None:
+        fmt = detect_format(opts.trace)
+        if fmt == "mooncake":
+            return Path(opts.trace), None
+        fallback = trace_path("mooncake", opts.data_dir)
+        why = (f"The trace given ({Path(opts.trace).name}) is an {fmt.capitalize()} trace: it has "
+               "no content hashes, so it cannot show prefix hits; this section needs a Mooncake "
+               "trace (JSON lines with hash_ids)")
+        return fallback, why + (f" and replays {fallback.name} instead." if fallback else ".")
+    return trace_path("mooncake", opts.data_dir), None
 
 
 def _capacities(requests: list[Request], block_size: int, fractions) -> tuple[list[int], int]:
@@ -202,11 +217,25 @@ def _ideal_table(records, n_replayed: int, block_size: int) -> Table:
     return t
 
 
+def _replays(requests: list[Request], capacities: list[int], block_size: int, opts: ReportOptions,
+             what: str, quarters: bool = False) -> list[ReplayResult]:
+    """One replay per capacity, each announced on ``opts.note`` (and, with ``quarters``, each
+    quarter of the requests too: a whole-trace replay runs for tens of seconds)."""
+    results = []
+    n = len(requests)
+    for k, blocks in enumerate(capacities, 1):
+        head = f"prefix_hits, {what}: capacity {k}/{len(capacities)} ({blocks:,} blocks of {block_size})"
+        opts.note(f"{head}, {n:,} requests")
+        marks = (lambda i: opts.note(f"{head}: {i:,} of {n:,} requests")) if quarters else None
+        results.append(replay(requests, blocks, block_size, progress=marks))
+    return results
+
+
 def _whole_trace_table(path: Path, records, opts: ReportOptions, data: dict) -> Table:
     """Every request of the trace through the manager, at the trace's 512-token granularity."""
     requests = load_mooncake_jsonl(path)
     bounded, never = _capacities(requests, WHOLE_BLOCK_SIZE, WHOLE_FRACTIONS)
-    results = [replay(requests, b, WHOLE_BLOCK_SIZE) for b in bounded + [never]]
+    results = _replays(requests, bounded + [never], WHOLE_BLOCK_SIZE, opts, "whole trace", quarters=True)
     h, q = ideal_hits(records, WHOLE_BLOCK_SIZE)
     data["whole_trace_unbounded_hit_rate"] = results[-1].hit_rate
     data["whole_trace_ideal_hit_rate"] = h / q
@@ -220,17 +249,21 @@ def section(opts: ReportOptions) -> Section:
     sec = Section("prefix_hits", "Prefix hits vs cache capacity (Mooncake trace)",
                   intro="Share of prompt tokens served from the prefix cache, replaying the real "
                         "Mooncake conversation trace through KVCacheManager at several capacities.")
-    path = _mooncake_file(opts)
+    path, wrong_kind = _mooncake_file(opts)
+    if wrong_kind:
+        sec.text.append(wrong_kind)
+        sec.data["trace_not_used"] = str(opts.trace)
     if path is None:
-        sec.text.append("Mooncake trace not found (looked in the data directory for "
-                        "mooncake_conversation_trace.jsonl; set PAGEDKV_DATA or --trace): section skipped.")
+        where = opts.data_dir if opts.data_dir is not None else default_data_dir()
+        sec.text.append(f"Mooncake trace not found ({TRACE_FILES['mooncake']}[.gz] is not in "
+                        f"{where if where is not None else 'any data directory'}): section skipped.")
         sec.data["skipped"] = True
         return sec
     n = QUICK_REQUESTS if opts.quick else FULL_REQUESTS
     requests = load_mooncake_jsonl(path, limit=n)
     records = mooncake_hash_ids(path)
     bounded, never = _capacities(requests, opts.block_size, QUICK_FRACTIONS if opts.quick else FULL_FRACTIONS)
-    results = [replay(requests, b, opts.block_size) for b in bounded + [never]]
+    results = _replays(requests, bounded + [never], opts.block_size, opts, f"first {len(requests):,}")
     hb, q = ideal_hits(records[: len(requests)], opts.block_size)
     h512, _ = ideal_hits(records[: len(requests)])
     hall, qall = ideal_hits(records)

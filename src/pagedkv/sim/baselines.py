@@ -152,7 +152,7 @@ class KVAllocator(ABC):
 @dataclass
 class _Reservation:
     offsets: list[int]
-    size: int  # slots reserved per sequence
+    size: int  # slots held per sequence (the policy's size; a classic buddy rounds it to 2**k)
     final: int  # true final length
     length: int  # current length
 
@@ -164,6 +164,11 @@ class ReservationAllocator(KVAllocator):
     true final length (capped at ``max_len``), ``"oracle"`` exactly the final length. Example with
     ``max_len=2048`` and a 161 + 338 = 499-token request: 2,048 / 512 / 499 slots reserved; when it
     finishes, Max has wasted 1,549 of them on internal fragmentation, Pow2 13, Oracle none.
+
+    ``exact=False`` places reservations in a classic buddy allocator that holds the whole
+    power-of-two block: the rounding is then internal fragmentation too (a 500-slot Oracle
+    reservation holds 512 slots, 12 of them never used), so the categories still cover the
+    capacity exactly.
     """
 
     def __init__(self, capacity: int, policy: str, max_len: int = 2048, exact: bool = True) -> None:
@@ -204,7 +209,8 @@ class ReservationAllocator(KVAllocator):
                     self.buddy.free(o)
                 return False
             offsets.append(off)
-        r = _Reservation(offsets, size, req.total_len, req.prompt_len + generated)
+        held = self.buddy.size_of(offsets[0])  # size, or 2**order_for(size) without exact placement
+        r = _Reservation(offsets, held, req.total_len, req.prompt_len + generated)
         self._reqs[req.req_id] = r
         self._add(r, +1)
         self.last_hit_tokens = 0
@@ -459,15 +465,21 @@ class PagedAllocator(KVAllocator):
 
 
 def make_allocator(name: str, num_blocks: int, block_size: int = 16, max_len: int = 2048,
-                   **paged_kw) -> KVAllocator:
+                   *, exact: bool = True, **paged_kw) -> KVAllocator:
     """An allocator by name over ``num_blocks x block_size`` slots of KV memory.
 
     ``make_allocator("max", 983, 16)`` is Orca Max over the vLLM paper's 15,728 OPT-13B slots.
+    ``exact`` (reservations only) chooses exact or classic buddy placement; ``paged_kw`` go to
+    :class:`PagedAllocator`.
     """
     if name not in ALLOCATORS:
         raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}, got {name!r}")
     if not isinstance(num_blocks, int) or num_blocks < 1 or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"num_blocks and block_size must be positive ints, got {num_blocks!r}, {block_size!r}")
     if name == "paged":
+        if not exact:
+            raise ValueError("exact=False applies to the reservation baselines (max, pow2, oracle), not paged")
         return PagedAllocator(num_blocks, block_size, **paged_kw)
-    return ReservationAllocator(num_blocks * block_size, name, max_len)
+    if paged_kw:
+        raise ValueError(f"{', '.join(sorted(paged_kw))} apply to the paged allocator only, not {name}")
+    return ReservationAllocator(num_blocks * block_size, name, max_len, exact=exact)

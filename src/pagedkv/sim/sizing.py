@@ -40,6 +40,7 @@ __all__ = [
     "KVSize",
     "Capacity",
     "GIB",
+    "MAX_MEMORY_GIB",
     "DTYPE_BYTES",
     "dtype_bytes",
     "spec_from_config",
@@ -54,6 +55,9 @@ __all__ = [
 ]
 
 GIB = 1 << 30  # bytes in a GiB; the vLLM paper's "GB" (see the module docstring)
+# Memory sizes above 1 PiB are refused: no device has them, so they are typos (1e30, 1e300 GiB
+# would otherwise become astronomically many blocks, or overflow a float).
+MAX_MEMORY_GIB = float(1 << 20)
 
 # Bytes per element of the KV cache for each dtype name a config or a user may give.
 DTYPE_BYTES: dict[str, int] = {
@@ -150,6 +154,15 @@ def _first(cfg: Mapping[str, Any], field_name: str) -> Any:
     return None
 
 
+def _positive_field(cfg: Mapping[str, Any], field_name: str, value: Any) -> int:
+    """A config field that must be a positive integer (``32`` or ``32.0``), by its config key."""
+    key = next((k for k in _ALIASES.get(field_name, (field_name,)) if cfg.get(k) is not None), field_name)
+    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not integral or value < 1:
+        raise ValueError(f"config field {key} must be a positive integer, got {value!r}")
+    return int(value)
+
+
 def load_config(path: str | Path) -> dict[str, Any]:
     """Read a ``config.json`` file (a clear ValueError when missing or not a JSON object)."""
     p = Path(path)
@@ -186,15 +199,19 @@ def spec_from_config(config: Mapping[str, Any] | str | Path, name: str | None = 
     missing = [f for f in ("num_layers", "num_attention_heads", "hidden_size") if _first(cfg, f) is None]
     if missing:
         raise ValueError(f"config lacks {', '.join(missing)} (looked for {[_ALIASES[m] for m in missing]})")
-    heads = int(_first(cfg, "num_attention_heads"))
-    hidden = int(_first(cfg, "hidden_size"))
+    heads = _positive_field(cfg, "num_attention_heads", _first(cfg, "num_attention_heads"))
+    hidden = _positive_field(cfg, "hidden_size", _first(cfg, "hidden_size"))
+    _positive_field(cfg, "num_layers", _first(cfg, "num_layers"))
     kv_heads = _first(cfg, "num_kv_heads")
     if kv_heads is None:
         kv_heads = 1 if cfg.get("multi_query") else heads
+    kv_heads = _positive_field(cfg, "num_kv_heads", kv_heads)
     head_dim = cfg.get("head_dim")
-    if head_dim is None:
-        if hidden % heads:
-            raise ValueError(f"hidden_size {hidden} is not divisible by {heads} heads and no head_dim given")
+    if head_dim is not None:
+        head_dim = _positive_field(cfg, "head_dim", head_dim)
+    elif hidden % heads:
+        raise ValueError(f"hidden_size {hidden} is not divisible by {heads} heads and no head_dim given")
+    else:
         head_dim = hidden // heads
     dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float16"
     mla = cfg.get("kv_lora_rank") is not None
@@ -361,11 +378,19 @@ class Capacity:
     token_slots: int
 
 
+def _check_gib(name: str, value: Any, zero_ok: bool) -> None:
+    bad = not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+    if bad or value < 0 or (value == 0 and not zero_ok) or value > MAX_MEMORY_GIB:
+        raise ValueError(f"{name} must be a finite number {'>=' if zero_ok else '>'} 0 and at most "
+                         f"{MAX_MEMORY_GIB:,.0f} GiB (1 PiB), got {value!r}")
+
+
 def kv_budget_bytes(gpu_mem_gib: float, util: float, weights_gib: float) -> int:
-    """``gpu_mem x util - weights`` in bytes (GiB inputs). 80 GiB x 0.9 - 16 GiB = 56 GiB."""
+    """``gpu_mem x util - weights`` in bytes (GiB inputs). 80 GiB x 0.9 - 16 GiB = 56 GiB.
+
+    Memory sizes above ``MAX_MEMORY_GIB`` (1 PiB) are refused as typos."""
     for name, v in (("gpu_mem_gib", gpu_mem_gib), ("weights_gib", weights_gib)):
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        _check_gib(name, v, zero_ok=True)
     if not isinstance(util, (int, float)) or not 0 < util <= 1:
         raise ValueError(f"util must be in (0, 1], got {util!r}")
     budget = gpu_mem_gib * util - weights_gib
@@ -387,8 +412,7 @@ def fit_blocks(size: KVSize, *, kv_budget_gib: float | None = None, gpu_mem_gib:
     if kv_budget_gib is not None:
         if gpu_mem_gib is not None:
             raise ValueError("give kv_budget_gib or gpu_mem_gib, not both")
-        if not isinstance(kv_budget_gib, (int, float)) or not math.isfinite(kv_budget_gib) or kv_budget_gib <= 0:
-            raise ValueError(f"kv_budget_gib must be a finite number > 0, got {kv_budget_gib!r}")
+        _check_gib("kv_budget_gib", kv_budget_gib, zero_ok=False)
         budget = int(kv_budget_gib * GIB)
     elif gpu_mem_gib is not None:
         if weights_gib is None:

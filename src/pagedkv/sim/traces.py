@@ -14,6 +14,11 @@ content segments (see ``request.py``), so a 12,000-request trace costs kilobytes
   Worked example: ``input_length`` 1100, ``hash_ids`` [0, 7, 9] -> segments
   ((k0, 512), (k7, 512), (k9, 76)).
 
+Files may be plain or gzip-compressed (recognised by their first bytes); the traces shipped with
+pagedkv live gzipped in ``pagedkv/data`` (:func:`trace_path` finds them). A file that is empty,
+cannot be decoded or has a malformed record raises :class:`TraceFormatError` naming the file (and
+the line): replaying it would only print zeros.
+
 Arrival times are seconds from the earliest loaded request (so a slice taken with ``start``
 replays from t = 0); requests come back in arrival order.
 
@@ -23,11 +28,19 @@ the namespace (a trace's file stem, a workload's name and seed), the low 32 bits
 """
 from __future__ import annotations
 
+import atexit
+import gzip
 import hashlib
 import json
 import math
 import os
+import shutil
+import tempfile
+import zlib
+from contextlib import contextmanager
 from datetime import datetime
+from functools import lru_cache
+from importlib import resources
 from pathlib import Path
 from typing import Iterator
 
@@ -42,7 +55,9 @@ __all__ = [
     "load_trace",
     "detect_format",
     "default_data_dir",
+    "bundled_data_dir",
     "trace_path",
+    "trace_stem",
     "TRACE_FILES",
     "MOONCAKE_BLOCK",
     "TraceFormatError",
@@ -50,12 +65,16 @@ __all__ = [
 
 MOONCAKE_BLOCK = 512  # tokens per hash_id in the Mooncake traces
 
-# The public traces this project replays (see ../shared/data/README.md), by short name.
+# The public traces this project replays, by short name. They ship gzipped in pagedkv/data (its
+# README.md gives sources and fields, NOTICE.md the attribution and licences).
 TRACE_FILES = {
     "azure-conv": "azure_llm_2023_conv.csv",
     "azure-code": "azure_llm_2023_code.csv",
     "mooncake": "mooncake_conversation_trace.jsonl",
 }
+
+DATA_PACKAGE = "pagedkv.data"
+GZIP_MAGIC = b"\x1f\x8b"
 
 _KINDS = {"mooncake": 1, "system": 2, "unique": 3}
 _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -86,34 +105,65 @@ def content_key(kind: str, namespace: str, index: int) -> int:
 # ---- data directory -------------------------------------------------------------------------------
 
 
-def default_data_dir() -> Path | None:
-    """Where the public traces live: ``$PAGEDKV_DATA`` if set, else ``../shared/data`` next to the
-    repository (found from this file, then from the working directory); ``None`` when absent.
+@lru_cache(maxsize=1)
+def bundled_data_dir() -> Path:
+    """The directory of the traces shipped inside the package (``pagedkv/data``, gzip-compressed).
 
-    Setting ``PAGEDKV_DATA`` to a missing directory returns ``None`` (how tests simulate no data).
+    Found with ``importlib.resources``, so it works from a source tree, an installed wheel or an
+    editable install alike. When the package is imported from a zip archive, the files are copied
+    once to a temporary directory (removed at exit) so that they can be read as ordinary files.
+    """
+    root = resources.files(DATA_PACKAGE)
+    if isinstance(root, Path):
+        return root
+    tmp = Path(tempfile.mkdtemp(prefix="pagedkv-data-"))
+    atexit.register(shutil.rmtree, tmp, True)
+    for entry in root.iterdir():
+        if entry.is_file():
+            (tmp / entry.name).write_bytes(entry.read_bytes())
+    return tmp
+
+
+def default_data_dir() -> Path | None:
+    """Where the public traces are read from: ``$PAGEDKV_DATA`` when set, else the copies shipped
+    with the package (:func:`bundled_data_dir`).
+
+    ``PAGEDKV_DATA`` replaces the bundled directory as a whole (a file missing there is missing);
+    set to a path that is not a directory it gives ``None``: no traces at all, which is how the
+    sections' no-data paths are exercised.
     """
     env = os.environ.get("PAGEDKV_DATA")
     if env is not None:
         p = Path(env).expanduser()
         return p if p.is_dir() else None
-    repo = Path(__file__).resolve().parents[3]
-    for cand in (repo.parent / "shared" / "data", Path.cwd().parent / "shared" / "data",
-                 Path.cwd() / "shared" / "data"):
-        if cand.is_dir():
-            return cand
-    return None
+    return bundled_data_dir()
 
 
 def trace_path(name: str, data_dir: Path | str | None = None) -> Path | None:
-    """The file of a public trace by short name (``"mooncake"``, ``"azure-conv"``, ``"azure-code"``),
-    or ``None`` when the data directory or the file is absent."""
+    """The file of a public trace by short name (``"mooncake"``, ``"azure-conv"``, ``"azure-code"``)
+    in ``data_dir`` (default: :func:`default_data_dir`), plain or gzipped (``<file>.gz``), or
+    ``None`` when the directory or the file is absent.
+
+    Example: with no argument and no ``PAGEDKV_DATA``, ``trace_path("mooncake")`` is the bundled
+    ``.../pagedkv/data/mooncake_conversation_trace.jsonl.gz``.
+    """
     if name not in TRACE_FILES:
         raise ValueError(f"unknown trace {name!r}; known: {', '.join(TRACE_FILES)}")
     d = Path(data_dir) if data_dir is not None else default_data_dir()
     if d is None:
         return None
-    p = d / TRACE_FILES[name]
-    return p if p.is_file() else None
+    for fname in (TRACE_FILES[name], TRACE_FILES[name] + ".gz"):
+        if (d / fname).is_file():
+            return d / fname
+    return None
+
+
+def trace_stem(path: str | Path) -> str:
+    """A trace file's name without its format and compression suffixes: the namespace of its
+    content keys and request ids, so that a plain file and its gzipped copy replay identically.
+    ``trace_stem("x/mooncake_conversation_trace.jsonl.gz") == "mooncake_conversation_trace"``."""
+    p = Path(path)
+    return Path(p.stem).stem if p.suffix.lower() == ".gz" else p.stem
 
 
 # ---- shared helpers -------------------------------------------------------------------------------
@@ -133,11 +183,31 @@ def _open(path: str | Path) -> Path:
     return p
 
 
+def _is_gzip(p: Path) -> bool:
+    with p.open("rb") as f:
+        return f.read(2) == GZIP_MAGIC
+
+
+@contextmanager
+def _text(p: Path) -> Iterator[Iterator[str]]:
+    """The lines of a plain or gzipped (by its magic bytes, whatever its name) text file; a file
+    that cannot be decoded becomes a :class:`TraceFormatError` naming it."""
+    try:
+        f = gzip.open(p, "rt", encoding="utf-8") if _is_gzip(p) else p.open(encoding="utf-8")
+        with f:
+            yield f
+    except (UnicodeDecodeError, EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise TraceFormatError(f"{p}: not a readable text trace ({type(e).__name__}: {e})") from None
+
+
 def _records(p: Path, start: int, limit: int | None, skip_header: bool) -> Iterator[tuple[int, int, str]]:
-    """Yield ``(record index, 1-based line number, line)`` of the records in the slice."""
+    """Yield ``(record index, 1-based line number, line)`` of the records in the slice.
+
+    A file with no record at all (empty, blank, or a header alone) is a :class:`TraceFormatError`:
+    replaying it would print a report of zeros."""
     if limit == 0:
         return
-    with p.open(encoding="utf-8") as f:
+    with _text(p) as f:
         idx = 0
         for lineno, line in enumerate(f, 1):
             if (skip_header and lineno == 1) or not line.strip():
@@ -147,6 +217,8 @@ def _records(p: Path, start: int, limit: int | None, skip_header: bool) -> Itera
                 if limit is not None and idx + 1 - start >= limit:
                     return
             idx += 1
+    if idx == 0:
+        raise TraceFormatError(f"{p}: no requests in the trace (the file is empty)")
 
 
 def _int_field(value: object, name: str, lo: int, where: str) -> int:
@@ -199,12 +271,15 @@ def load_azure_csv(path: str | Path, *, limit: int | None = None, start: int = 0
     """
     _check_slice(start, limit)
     p = _open(path)
-    with p.open(encoding="utf-8") as f:
-        header = [c.strip() for c in f.readline().strip().lstrip("\ufeff").split(",")]
+    with _text(p) as f:
+        first = f.readline()
+    if not first.strip():
+        raise TraceFormatError(f"{p}: no requests in the trace (the file is empty)")
+    header = [c.strip() for c in first.strip().lstrip("\ufeff").split(",")]
     if sorted(header) != sorted(_AZURE_COLUMNS):
         raise TraceFormatError(f"{p}:1: expected the header {','.join(_AZURE_COLUMNS)}, got {','.join(header)}")
     col = {name: header.index(name) for name in _AZURE_COLUMNS}
-    ns = p.stem
+    ns = trace_stem(p)
     items = []
     for idx, lineno, line in _records(p, start, limit, skip_header=True):
         where = f"{p}:{lineno}"
@@ -286,7 +361,7 @@ def load_mooncake_jsonl(path: str | Path, *, limit: int | None = None, start: in
     if not isinstance(block, int) or isinstance(block, bool) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
     p = _open(path)
-    ns = namespace if namespace is not None else p.stem
+    ns = namespace if namespace is not None else trace_stem(p)
     items = []
     for idx, lineno, line in _records(p, start, limit, skip_header=False):
         t, n_in, n_out, ids = _mooncake_record(line, f"{p}:{lineno}", block)
@@ -310,14 +385,15 @@ def mooncake_hash_ids(path: str | Path, *, limit: int | None = None, start: int 
 
 
 def detect_format(path: str | Path) -> str:
-    """``"azure"`` or ``"mooncake"``, from the extension (.csv, .jsonl/.json) or else the content."""
+    """``"azure"`` or ``"mooncake"``, from the extension (.csv, .jsonl/.json, each optionally
+    followed by .gz) or else the content."""
     p = _open(path)
-    ext = p.suffix.lower()
+    ext = Path(p.name.lower().removesuffix(".gz")).suffix
     if ext == ".csv":
         return "azure"
     if ext in (".jsonl", ".json"):
         return "mooncake"
-    with p.open(encoding="utf-8") as f:
+    with _text(p) as f:
         first = next((line for line in f if line.strip()), "")
     if first.lstrip().startswith("{"):
         return "mooncake"

@@ -70,10 +70,10 @@ LOGNORMAL_SPECS: dict[str, LognormalSpec] = {
 }
 
 # Percentiles (%, then tokens) of the real Azure LLM inference traces 2023 (CC-BY-4.0), measured on
-# ../shared/data/azure_llm_2023_{conv,code}.csv by:
+# the copies shipped in pagedkv/data (azure_llm_2023_{conv,code}.csv.gz), from that directory, by:
 #   python -c "import numpy as np; P=[0,0.5,1,2,3,5,7.5,10,15,20,25,30,35,40,45,50,55,60,65,70,75,
 #   80,85,90,92.5,95,97,98,99,99.5,99.8,99.9,100]; [print(f, c, np.percentile(np.loadtxt(
-#   f'azure_llm_2023_{f}.csv', delimiter=',', skiprows=1, usecols=(1, 2), dtype=np.int64)[:, c],
+#   f'azure_llm_2023_{f}.csv.gz', delimiter=',', skiprows=1, usecols=(1, 2), dtype=np.int64)[:, c],
 #   P).round().astype(int).tolist()) for f in ('conv', 'code') for c in (0, 1)]"
 _PCTS = (0, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 25, 30, 35, 40, 45, 50, 55, 60, 65, 70, 75,
          80, 85, 90, 92.5, 95, 97, 98, 99, 99.5, 99.8, 99.9, 100)

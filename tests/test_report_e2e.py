@@ -1,0 +1,216 @@
+"""``pagedkv report --quick --out DIR`` end to end, and the report modules no other test runs:
+fork_cost, cow_case, plots, and the text rendering every section goes through.
+
+The end-to-end run happens once per module (about ten seconds): every section is present and
+not skipped, in report order; report.json and report.md parse and agree with the printed text;
+one PNG is written per plottable table; every printed line fits 100 columns and carries no
+reStructuredText markup.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+
+import pytest
+
+from pagedkv.cli import main
+from pagedkv.report import SECTIONS, build_report, write_report
+from pagedkv.report import cow_case, fork_cost
+from pagedkv.report.options import ReportOptions
+from pagedkv.sim.sizing import kv_bytes_per_token
+from pagedkv.tables import TEXT_WIDTH, Section, Table, plain
+
+MIB = 2**20
+MARKUP = re.compile(r":[a-z]+:`|(?<!`)``(?!`)")  # a role, or a literal (not a ``` fence)
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory):
+    pytest.importorskip("matplotlib")  # the PNGs
+    out_dir = tmp_path_factory.mktemp("report")
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        rc = main(["report", "--quick", "--out", str(out_dir)])
+    return rc, stdout.getvalue(), stderr.getvalue(), out_dir
+
+
+def test_quick_report_runs_every_section(quick_report):
+    rc, out, err, out_dir = quick_report
+    assert rc == 0
+    payload = json.loads((out_dir / "report.json").read_text())
+    sections = payload["sections"]
+    assert [s["key"] for s in sections] == list(SECTIONS)
+    for s in sections:
+        assert not s["data"].get("skipped"), (s["key"], s["text"])
+        assert s["tables"] or s["text"], s["key"]
+        assert out.index(s["heading"]) >= 0
+    positions = [out.index(s["heading"] + "\n" + "=" * len(s["heading"])) for s in sections]
+    assert positions == sorted(positions)  # printed in report order
+    assert payload["options"]["quick"] is True and "progress" not in payload["options"]
+    for key in SECTIONS:  # progress on stderr, one line as each section starts
+        assert f"[pagedkv report] {key} (" in err
+    assert "prefix_hits, first 200: capacity 1/2" in err
+    assert "done in" in err.splitlines()[-1]
+
+
+def test_quick_report_json_tables_are_whole(quick_report):
+    """JSON keeps every column the terminal view may have split or listed under the grid."""
+    _, _, _, out_dir = quick_report
+    for s in json.loads((out_dir / "report.json").read_text())["sections"]:
+        for t in s["tables"]:
+            assert t["rows"] and all(len(r) == len(t["columns"]) for r in t["rows"]), t["title"]
+
+
+def test_quick_report_markdown_and_pngs(quick_report):
+    _, _, err, out_dir = quick_report
+    md = (out_dir / "report.md").read_text()
+    payload = json.loads((out_dir / "report.json").read_text())
+    assert md.startswith("# pagedkv report\n")
+    for s in payload["sections"]:
+        assert f"\n## {s['heading']}\n" in md
+        for t in s["tables"]:
+            assert f"**{t['title']}**" in md
+            assert "| " + " | ".join(t["columns"]) + " |" in md
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", md)
+    pngs = sorted(p.name for p in out_dir.glob("*.png"))
+    assert images and sorted(images) == pngs
+    for name in pngs:
+        assert (out_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"wrote {out_dir / name}" in err
+    # PNGs are named <section number>-<key>-<table number>-<title>.png
+    plotted = {name.split("-")[1] for name in pngs}
+    assert {"fork_cost", "fig2", "block_size", "sharing", "prefix_hits"} <= plotted
+    assert "02-cow_case" not in " ".join(pngs)  # a worked example has nothing to plot
+    assert MARKUP.search(md) is None
+
+
+def test_quick_report_fits_a_terminal(quick_report):
+    _, out, _, _ = quick_report
+    long = [line for line in out.splitlines() if len(line) > TEXT_WIDTH]
+    assert long == []
+    assert MARKUP.search(out) is None, MARKUP.search(out)
+
+
+# ---- fork_cost ------------------------------------------------------------------------------------
+
+
+def test_fork_cost_section_quick():
+    sec = fork_cost.section(ReportOptions(quick=True))
+    t = sec.tables[0]
+    kv = kv_bytes_per_token("Llama-3.1-8B")
+    assert t.column("tokens") == [128, 512, 2048]
+    assert t.column("blocks shared") == [8, 32, 128]
+    assert t.column("blocks allocated") == [0, 0, 0]  # a fork allocates nothing
+    assert t.column("eager copy MiB") == [n * kv / MIB for n in (128, 512, 2048)]
+    assert t.column("1st-write copy MiB (last block full)") == [0, 0, 0]
+    assert t.column("(last block partial)") == [16 * kv / MIB] * 3  # one 16-token block: 2 MiB
+    assert all(v > 0 for v in t.column("fork µs (median)"))
+    assert sec.data["blocks_allocated_by_fork"] == 0 and sec.data["longest_tokens"] == 2048
+    assert sec.data["longest_eager_copy_mib"] == 256.0
+
+
+def test_fork_cost_follows_block_size_and_model():
+    sec = fork_cost.section(ReportOptions(quick=True, block_size=32, model="OPT-13B"))
+    t = sec.tables[0]
+    assert t.column("blocks shared") == [4, 16, 64]
+    assert t.column("(last block partial)") == [32 * 819_200 / MIB] * 3  # 25 MiB
+    assert "OPT-13B" in t.title
+
+
+def test_first_write_copies_one_block_only_into_a_partial_block():
+    assert fork_cost._first_write_copies(32, 16) == 0
+    assert fork_cost._first_write_copies(33, 16) == 1
+    assert fork_cost._first_write_copies(1, 16) == 1
+
+
+# ---- cow_case ---------------------------------------------------------------------------------------
+
+
+def test_cow_case_is_read_back_from_the_manager():
+    """A fresh pool hands out blocks 0, 1 to the 6-token prompt; the child's first write copies
+    block 1 into block 2 (the next free one), so its token lands at slot 2 x 4 + 2 = 10 while the
+    parent, now block 1's last holder, writes in place at slot 6."""
+    sec = cow_case.section(ReportOptions())
+    assert sec.data == {"copy_pair": [1, 2], "child_slot": 10, "parent_slot": 6}
+    text = sec.text[0]
+    assert "queued copies [CopyOp(src=1, dst=2)]" in text
+    assert "child   table [0, 2]" in text and "refcounts {0:2, 2:1}" in text
+    assert "copies []" in text  # the full last block of the contrast case needs no copy
+    assert all(len(line) <= TEXT_WIDTH for line in sec.to_text().splitlines())
+
+
+# ---- plots ------------------------------------------------------------------------------------------
+
+
+def test_plot_table_draws_what_the_hint_names(tmp_path):
+    pytest.importorskip("matplotlib")
+    from pagedkv.report.plots import plot_available, plot_table
+
+    assert plot_available()
+    line = Table("A line: x vs y", ["x", "y", "z"], plot={"x": "x", "y": ["y", "z"], "logx": True, "logy": True})
+    for i in (1, 2, 4):
+        line.add(i, i * 1.5, None)  # a missing cell is a gap, not an error
+    path = plot_table(line, tmp_path, "01-line")
+    assert path == tmp_path / "01-line-a-line-x-vs-y.png" and path.read_bytes()[:4] == b"\x89PNG"
+    bar = Table("Bars", ["run", "a %", "b %"], plot={"x": "run", "y": ["a %", "b %"], "kind": "bar"})
+    bar.add("Max", 20.0, 10.0)
+    bar.add("paged", 96.0, 0.0)
+    assert plot_table(bar, tmp_path, "02").name == "02-bars.png"
+    assert plot_table(Table("no hint", ["x"], rows=[[1]]), tmp_path, "03") is None
+    assert plot_table(Table("no rows", ["x", "y"], plot={"x": "x", "y": ["y"]}), tmp_path, "04") is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["01-line-a-line-x-vs-y.png", "02-bars.png"]
+
+
+def test_plots_are_optional(tmp_path, monkeypatch, capsys):
+    """Without matplotlib the report still writes its Markdown and JSON, and says nothing is drawn."""
+    from pagedkv.report import plots
+
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
+    assert plots.plot_available() is False
+    sections = build_report(ReportOptions(quick=True), ["cow_case", "fork_cost"])
+    written = write_report(sections, ReportOptions(quick=True), tmp_path / "out")
+    assert [p.name for p in written] == ["report.md", "report.json"]
+    assert "![" not in (tmp_path / "out" / "report.md").read_text()
+    assert main(["report", "--quick", "--sections", "cow_case", "--out", str(tmp_path / "cli")]) == 0
+    assert "no PNG plots: matplotlib is not installed" in capsys.readouterr().err
+
+
+# ---- text rendering -----------------------------------------------------------------------------
+
+
+def test_plain_strips_sphinx_markup():
+    assert plain("the real :class:`~pagedkv.KVCacheManager` and :mod:`pagedkv.sim.sizing`") == \
+        "the real KVCacheManager and pagedkv.sim.sizing"
+    assert plain("``usage()`` and :py:func:`~a.b.f`") == "usage() and f"
+
+
+def test_wide_table_splits_and_lists_prose_under_the_grid():
+    t = Table("t", ["run"] + [f"column number {i}" for i in range(8)] + ["why"])
+    t.add("first run", *range(8), "an explanation far longer than thirty characters, " * 3)
+    t.add("second", *range(10, 18), "short")
+    text = t.to_text(60)
+    lines = text.splitlines()
+    assert all(len(line) <= 60 for line in lines), text
+    grids = [line for line in lines if line.startswith("run ")]
+    assert len(grids) >= 3  # the eight numeric columns need several grids, each led by "run"
+    for i in range(8):  # every column and every value is still there
+        assert f"column number {i}" in text
+    assert "  why:" in lines and any(line.startswith("  - first run: an explanation") for line in lines)
+    assert text.count("second") == len(grids) + 1
+
+
+def test_a_table_that_fits_is_one_grid():
+    t = Table("small", ["a", "b"], notes=["a note " * 30])
+    t.add("x", 1.5)
+    lines = t.to_text().splitlines()
+    assert lines[:4] == ["small", "a    b", "-  ---", "x  1.5"]
+    assert all(len(line) <= TEXT_WIDTH for line in lines) and lines[4].startswith("  a note")
+
+
+def test_section_text_wraps_paragraphs_and_keeps_worked_examples():
+    sec = Section("k", "Heading", intro="word " * 60, text=["para " * 40, "  line one\n  line two"])
+    lines = sec.to_text(50).splitlines()
+    assert all(len(line) <= 50 for line in lines)
+    assert "  line one" in lines and "  line two" in lines
