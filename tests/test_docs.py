@@ -197,7 +197,8 @@ _FORBIDDEN = re.compile(rb"\.\./shared|DESIGN\.md|\bDESIGN\b")
 
 def _shipped_files() -> list[Path]:
     files = [p for p in (ROOT / "src").rglob("*")
-             if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".gz")]
+             if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".gz")
+             and not any(part.endswith(".egg-info") for part in p.parts)]  # build output
     return files + [ROOT / "README.md", DOC]
 
 

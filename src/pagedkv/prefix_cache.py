@@ -135,23 +135,24 @@ class PrefixCache:
         the blocks that one decode step filled, one event each, in the given order."""
         m = self._map
         blocks, hashes = [], []
-        for b, h, _, _ in entries:
+        log, content = self._log, self._content
+        raw = [] if log is not None else None
+        medium = self.medium
+        for e in entries:
+            h = e[1]
             if h not in m:
+                b = e[0]
                 m[h] = b
                 blocks.append(b)
                 hashes.append(h)
-        if not blocks:
-            return
-        self._pool.set_keys(blocks, hashes)
-        if len(blocks) < len(entries):  # some were cached already: keep the ones just mapped
-            entries = [e for e in entries if m[e[1]] == e[0]]
-        log = self._log
-        if log is not None:
-            medium = self.medium
-            log.stored_many([((h,), parent, toks, block_size, medium) for _, h, parent, toks in entries])
-        if self._content is not None:
-            for b, _, parent, toks in entries:
-                self._content[b] = (parent, toks)
+                if raw is not None:
+                    raw.append(((h,), e[2], e[3], block_size, medium))
+                if content is not None:
+                    content[b] = (e[2], e[3])
+        if blocks:
+            self._pool.set_keys(blocks, hashes)
+            if raw:
+                log.stored_many(raw)
 
     def _stored(self, hashes, parent, tokens, bs, i, j) -> None:
         if self._log is not None:
