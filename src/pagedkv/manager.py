@@ -1178,8 +1178,10 @@ def _token_array(token_ids: Any) -> array:
     if type(token_ids) is list or type(token_ids) is tuple:
         try:
             return array("I", token_ids)
-        except (TypeError, OverflowError) as exc:
+        except OverflowError as exc:
             raise ValueError(f"token ids must be integers in [0, {MAX_TOKEN_ID}]: {exc}") from None
+        except TypeError:  # numpy scalars (np.True_ has no __index__) or a bad id: one by one
+            return array("I", [_as_token(t) for t in token_ids])
     if isinstance(token_ids, np.ndarray):
         if isinstance(token_ids, np.ma.MaskedArray):
             raise ValueError("token ids must not be a masked array (a masked token has no value)")
