@@ -168,8 +168,9 @@ def test_contract_names_appear_in_the_api_section():
 def test_design_states_the_engine_rules_and_the_targets():
     text = _doc()
     rules = _section(text, "4. Rules an engine follows")
-    for phrase in ("Copies before writes", "Fork between steps", "free(id, cache=False)",
-                   "OutOfBlocks", "take_copies()", "One thread"):
+    for phrase in ("then copies, then writes", "Fork and swap out between steps",
+                   "free(id, cache=False)", "OutOfBlocks", "take_copies()", "take_transfers()",
+                   "One thread"):
         assert phrase in rules, phrase
     assert "not thread-safe" in text and "pickles to an equal state" in text
     targets = _section(text, "6. Performance targets")
