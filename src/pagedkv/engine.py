@@ -6,9 +6,10 @@ Read this module to see what an engine owes the allocator, in the order it owes 
    cache); compute only ``prompt[hit:]`` into the slots of its block table.
 2. ``fork`` a sequence for each extra sample or beam: no allocation, no copy.
 3. ``append_batch`` the step's tokens: one slot per sequence.
-4. ``store.copy_blocks(manager.take_copies())`` **before** the step writes any K/V: a fork's child
-   that appends into a shared partial block got a fresh block whose first slots must hold the
-   parent's tokens before attention reads them.
+4. ``store.transfer(manager.take_transfers())`` (with a host tier: blocks offloaded to or loaded
+   from host memory), then ``store.copy_blocks(manager.take_copies())``, **before** the step writes
+   any K/V: a fork's child that appends into a shared partial block got a fresh block whose first
+   slots must hold the parent's tokens before attention reads them.
 5. run the model: it writes the new K/V at the slots and attends through ``block_tables``.
 6. ``free`` every sequence when done (and every beam that falls out of the beam), so that all
    blocks return to the pool.
@@ -49,6 +50,20 @@ and rolls back the rest with ``accept(id, k)``: the tokens are exactly greedy de
 ``publish_at_admission=True`` is the chunked prefill's negative control: it admits the whole
 prompt with ``prefill=None`` (every full block published at once) but still computes it in
 chunks, so a request arriving mid-prefill hits blocks whose K/V was never written.
+
+**The host tier.** With a manager made with ``host_blocks=N`` the engine's store gets a host pool
+of the same size, and every forward first drains ``take_transfers()`` and runs it
+(``store.transfer``: every ``to_host`` entry, then every ``to_device`` entry, each one batch), then
+the copies, then the step's writes and attention. That is all a prefix hit on the host tier
+needs: the manager gives the prompt device blocks and queues the loads. ``preemption="swap"``
+preempts a decoding request by ``swap_out`` of its sequences (their private blocks go to host
+memory, with their K/V) instead of freeing it to recompute; the swapped sequences come back
+(``swap_in``, first out first in) at the start of a step with room for them, before any new
+request is admitted, and decode on in that same step. A request mid-prefill (the manager cannot
+swap a partly scheduled prompt), or one whose blocks do not fit in the host's free blocks, is
+recomputed as before. ``run_transfers=False`` is the host tier's negative control: the engine
+drains the transfers but never runs them, so a block loaded from the host or swapped back in
+holds whatever the device block held before, and the logits diverge.
 """
 from __future__ import annotations
 
@@ -60,9 +75,11 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from .types import OutOfBlocks
+from .types import TO_HOST, OutOfBlocks
 
-__all__ = ["Engine", "Sample", "RequestResult", "EngineStats", "StepOutput"]
+__all__ = ["Engine", "Sample", "RequestResult", "EngineStats", "StepOutput", "PREEMPTION_MODES"]
+
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass
@@ -106,6 +123,12 @@ class EngineStats:
     the blocks ``accept`` returned to the pool. Worked example (block size 4): a sequence of 8
     tokens (two full blocks) verifies 4 drafts, which take a fresh third block; keeping 3 of them
     frees nothing, keeping none returns the third block: 1 block.
+
+    Host tier: ``transfers_to_host`` / ``transfers_to_device`` count the block transfers drained
+    from the manager, ``transfer_bytes`` what the store moved for them (``transfers x
+    bytes_per_block``: with 16-token blocks of the 2-layer test model, 8,192 bytes each), and
+    ``skipped_transfers`` the ones the ``run_transfers=False`` control dropped. A swapped request
+    counts once in ``swap_preemptions`` and each of its sequences once in ``swapped_out``.
     """
 
     steps: int = 0
@@ -129,6 +152,15 @@ class EngineStats:
     accepted_tokens: int = 0  # drafts it kept
     rollback_blocks: int = 0  # blocks ``accept`` returned: they held only rejected drafts
     preemptions: int = 0  # requests restarted to free blocks for earlier ones
+    # the host tier
+    swap_preemptions: int = 0  # requests preempted by swapping their sequences out
+    swap_fallbacks: int = 0  # preemption="swap" but restarted (a prompt mid-prefill, host full)
+    swapped_out: int = 0  # sequences swapped out
+    swapped_in: int = 0  # sequences swapped back in
+    transfers_to_host: int = 0  # blocks drained device -> host (offloads, swap-outs)
+    transfers_to_device: int = 0  # blocks drained host -> device (host prefix hits, swap-ins)
+    transfer_bytes: int = 0  # bytes the store moved for them
+    skipped_transfers: int = 0  # run_transfers=False: drained and never run
 
     @property
     def acceptance_rate(self) -> float:
@@ -148,8 +180,10 @@ class StepOutput:
     ``admitted``: ``(request, prefix-hit tokens)`` for each request admitted this step;
     ``prefill``: ``(request, start, stop)`` for each prompt chunk computed (positions
     ``start..stop``); ``decode_tokens``: query tokens of decoding sequences (1 each plus drafts);
-    ``preempted``: requests sent back to the queue to free blocks; ``finished``: the requests
-    completed this step, by request id. Worked example (budget 16,
+    ``preempted``: requests sent back to the queue to free blocks; ``swapped_out``: requests
+    preempted by swapping them to the host tier; ``swapped_in``: requests whose sequences came
+    back this step; ``transfers``: block transfers the forward ran (or, under the control,
+    dropped); ``finished``: the requests completed this step, by request id. Worked example (budget 16,
     block size 16, a 40-token prompt arriving alone): step 0 ``prefill [(0, 0, 16)]``, step 1
     ``[(0, 16, 32)]``, step 2 ``[(0, 32, 40)]`` and the first token is chosen; step 3 decodes.
     """
@@ -162,6 +196,9 @@ class StepOutput:
     accepted_tokens: int = 0
     rollback_blocks: int = 0
     preempted: list[int] = field(default_factory=list)
+    swapped_out: list[int] = field(default_factory=list)
+    swapped_in: list[int] = field(default_factory=list)
+    transfers: int = 0
     finished: dict[int, RequestResult] = field(default_factory=dict)
 
     @property
@@ -216,6 +253,13 @@ class _Work:
     proposed: bool = False  # the speculator proposed for this sequence this step
 
 
+def _host_blocks(manager: Any) -> int:
+    """The size of a manager's host tier (0 without one, or for a manager that has no such
+    notion)."""
+    usage = getattr(manager, "usage", None)
+    return int(getattr(usage(), "host_blocks", 0)) if callable(usage) else 0
+
+
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     m = x.max(axis=-1, keepdims=True)
@@ -236,13 +280,19 @@ class Engine:
     ``publish_at_admission`` (a negative control, see the module docstring). ``add_request`` /
     ``step`` / ``abort`` / ``has_unfinished`` drive the loop one step at a time; ``generate``
     drives it to the end when any option or ``arrivals`` is given.
+
+    A manager with a host tier (``KVCacheManager(..., host_blocks=N)``) gets a store with a host
+    pool of ``N`` blocks, and its transfers run every step; ``preemption="swap"`` (step loop
+    only) swaps preempted requests out instead of recomputing them; ``run_transfers=False`` is
+    the host tier's negative control (see the module docstring).
     """
 
     _ids = itertools.count()
 
     def __init__(self, model: Any, manager: Any, store: Any = None, *, copy_on_write: bool = True,
                  token_budget: int | None = None, chunk_size: int | None = None, speculator: Any = None,
-                 publish_at_admission: bool = False) -> None:
+                 publish_at_admission: bool = False, preemption: str = "recompute",
+                 run_transfers: bool = True) -> None:
         if not isinstance(copy_on_write, bool):
             raise ValueError(f"copy_on_write must be a bool, got {copy_on_write!r}")
         for name, v in (("token_budget", token_budget), ("chunk_size", chunk_size)):
@@ -253,11 +303,17 @@ class Engine:
         if publish_at_admission and token_budget is None and chunk_size is None:
             raise ValueError("publish_at_admission is a control of chunked prefill: set a token_budget "
                              "or a chunk_size")
+        host = _host_blocks(manager)
+        self._check_host_options(host, preemption, run_transfers)
         if store is None:
-            store = model.new_store(manager.num_blocks, manager.block_size)
+            store = (model.new_store(manager.num_blocks, manager.block_size, host_blocks=host) if host
+                     else model.new_store(manager.num_blocks, manager.block_size))
         if (store.num_blocks, store.block_size) != (manager.num_blocks, manager.block_size):
             raise ValueError(f"store has {store.num_blocks} blocks of {store.block_size}, manager "
                              f"{manager.num_blocks} of {manager.block_size}")
+        if getattr(store, "host_blocks", 0) != host:
+            raise ValueError(f"store has {getattr(store, 'host_blocks', 0)} host blocks, the manager's "
+                             f"host tier {host}")
         self._check_speculator(model, speculator)
         self.model, self.manager, self.store = model, manager, store
         self.copy_on_write = copy_on_write
@@ -265,6 +321,10 @@ class Engine:
         self.chunk_size = None if chunk_size is None else int(chunk_size)
         self.speculator = speculator
         self.publish_at_admission = publish_at_admission
+        self.preemption = preemption
+        self.run_transfers = run_transfers
+        self._tiered = host > 0
+        self._step_transfers = 0  # transfers the last forward drained
         self._alias: dict[int, int] = {}  # copy_on_write=False: block a copy went to -> its source
         self.stats = EngineStats()
         # the step loop's state
@@ -276,7 +336,20 @@ class Engine:
         self._waiting: list[tuple[int, int, _Request]] = []  # (arrival, rid, request), sorted
         self._prefilling: list[_Request] = []  # admitted, prompt not fully computed; admission order
         self._running: dict[Hashable, _Live] = {}  # decoding sequences
+        self._swapped: dict[Hashable, _Live] = {}  # decoding sequences on the host tier, oldest first
         self._requests: dict[int, _Request] = {}  # every unfinished request
+
+    @staticmethod
+    def _check_host_options(host: int, preemption: Any, run_transfers: Any) -> None:
+        if preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
+        if preemption == "swap" and not host:
+            raise ValueError("preemption='swap' needs a manager with a host tier "
+                             "(KVCacheManager(..., host_blocks=N))")
+        if not isinstance(run_transfers, bool):
+            raise ValueError(f"run_transfers must be a bool, got {run_transfers!r}")
+        if not run_transfers and not host:
+            raise ValueError("run_transfers=False is a control of the host tier: the manager has none")
 
     @staticmethod
     def _check_speculator(model: Any, speculator: Any) -> None:
@@ -298,7 +371,8 @@ class Engine:
     def uses_step_loop(self) -> bool:
         """Whether ``generate`` runs the step loop (any of the modern loop's options is set)."""
         return (self.token_budget is not None or self.chunk_size is not None
-                or self.speculator is not None or self.publish_at_admission)
+                or self.speculator is not None or self.publish_at_admission
+                or self.preemption == "swap")
 
     # ---- public entry point
 
@@ -488,8 +562,26 @@ class Engine:
         if req in self._prefilling:
             self._prefilling.remove(req)
             self._free(req.seq, cache=cache)
-        for seq in [s for s, lv in self._running.items() if lv.req == request]:
+        for seq in self._seqs_of(request):
             self._release(seq)
+
+    def preempt(self, request: int) -> str:
+        """Preempt an admitted request between steps, as the scheduler does when blocks run short;
+        returns how: ``"swap"`` (``preemption="swap"`` and a decoding request whose private blocks
+        fit in the host's free blocks: its sequences go to the host tier and come back when a
+        step has room) or ``"recompute"`` (its blocks are freed and it restarts from its prompt).
+
+        ``KeyError`` for an unknown or finished request; ``ValueError`` for one still waiting or
+        already swapped out whole (nothing of it is on the device to preempt).
+        """
+        req = self._requests[request]  # KeyError: unknown or finished
+        if req.seq is None:
+            raise ValueError(f"request {request} is waiting: it holds no blocks to preempt")
+        if not self._on_device(req):
+            raise ValueError(f"request {request} is swapped out already")
+        out = StepOutput(self._clock)
+        self._preempt(req, out)
+        return "swap" if out.swapped_out else "recompute"
 
     def step(self) -> StepOutput:
         """Schedule one step within the token budget and run it as one forward.
@@ -507,7 +599,8 @@ class Engine:
         out = StepOutput(self._clock)
         work = self._schedule(out)
         if not work:
-            if self._running or self._prefilling or (self._waiting and self._waiting[0][0] <= self._clock):
+            if (self._running or self._prefilling or self._swapped
+                    or (self._waiting and self._waiting[0][0] <= self._clock)):
                 raise OutOfBlocks(1, self.manager.num_free_blocks, f"step {self._clock}: no request fits")
             self._clock += 1
             self.stats.idle_steps += 1
@@ -519,6 +612,7 @@ class Engine:
             self._drop_all(cache=False)
             raise
         self._clock += 1
+        out.transfers = self._step_transfers
         self._account(out)
         for w, r in zip(work, rows):
             if w.req is not None:
@@ -539,6 +633,8 @@ class Engine:
         budget = sys.maxsize if self.token_budget is None else self.token_budget
         work: list[_Work] = []
         scheduled: set[int] = set()  # requests with work in this step: never preempted in it
+        if self._swapped:
+            self._swap_in_ready(scheduled, out)
         budget, short = self._schedule_decodes(work, budget, out, scheduled)
         for req in list(self._prefilling):
             if budget < 1:
@@ -555,8 +651,10 @@ class Engine:
             scheduled.add(req.rid)
             out.prefill.append((req.rid, w.length - len(w.feed), w.length))
             budget -= len(w.feed)
-        short = short or bool(out.preempted)
-        while not short and budget >= 1 and self._waiting and self._waiting[0][0] <= self._clock:
+        short = short or bool(out.preempted or out.swapped_out)
+        # swapped-out requests were admitted first: no new admission while one waits to come back
+        while (not short and not self._swapped and budget >= 1 and self._waiting
+               and self._waiting[0][0] <= self._clock):
             w = self._admit(self._waiting[0][2], budget, out)
             if w is None:
                 break
@@ -588,6 +686,8 @@ class Engine:
         short = False
         for seq, k in wants.items():  # the allotment fits the budget: 1 + k tokens each at most
             if seq not in self._running:  # its request was preempted for an earlier one
+                if seq in proposals:  # swapped out with a proposal pending: drop the drafts
+                    spec.settle(seq, 0)
                 continue
             lv = self._running[seq]
             slot = self._append_or_preempt(seq, lv.sample.tokens[-1], lv.req, scheduled, out)
@@ -621,19 +721,90 @@ class Engine:
                     return None
 
     def _preempt_for(self, req: _Request, scheduled: set[int], out: StepOutput) -> bool:
-        """Free the blocks of the most recently admitted request that has no work in this step
-        (not ``req``): it goes back to the queue and restarts from its prompt, as vLLM's
-        recompute preemption does. Its blocks stay cached, so the restart mostly hits them, and
-        its samples come out the same (greedy, or the same seeded streams). False if none."""
+        """Preempt the most recently admitted request that has no work in this step (not
+        ``req``); False if none. Requests with sequences on the device go first; one swapped out
+        whole is restarted only when nothing else is left (that frees the device blocks its
+        sequences share). See :meth:`_preempt`."""
         victims = [r for r in self._requests.values()
                    if r.seq is not None and r is not req and r.rid not in scheduled]
         if not victims:
             return False
-        victim = max(victims, key=lambda r: r.order)
+        on_device = [r for r in victims if self._on_device(r)]
+        self._preempt(max(on_device or victims, key=lambda r: r.order), out)
+        return True
+
+    def _preempt(self, victim: _Request, out: StepOutput) -> None:
+        """Recompute preemption frees the victim's blocks and queues it again: it restarts from
+        its prompt, as vLLM's recompute preemption does. Its blocks stay cached, so the restart
+        mostly hits them, and its samples come out the same (greedy, or the same seeded streams).
+        Swap preemption (``preemption="swap"``) moves its decoding sequences to the host tier
+        instead, falling back to recompute when it cannot (see :meth:`_swap_out`)."""
+        if self.preemption == "swap":
+            if self._swap_out(victim, out):
+                return
+            self.stats.swap_fallbacks += 1
         self._restart(victim)
         out.preempted.append(victim.rid)
         self.stats.preemptions += 1
+
+    def _on_device(self, req: _Request) -> bool:
+        """Whether an admitted request has a sequence that is not swapped out."""
+        return req in self._prefilling or any(lv.req == req.rid for lv in self._running.values())
+
+    def _seqs_of(self, rid: int) -> list[Hashable]:
+        """A request's decoding sequences, running or swapped out."""
+        return ([s for s, lv in self._running.items() if lv.req == rid]
+                + [s for s, lv in self._swapped.items() if lv.req == rid])
+
+    def _swap_out(self, victim: _Request, out: StepOutput) -> bool:
+        """Swap every running sequence of ``victim`` out to the host tier; False (nothing
+        changed) when it cannot: a prompt mid-prefill (the manager swaps only fully scheduled
+        sequences), nothing running, or more private blocks than the host has free. Blocks a
+        sequence shares stay on the device, so only blocks with refcount 1 need host room
+        (siblings keep their references when one of them is swapped: the count holds for all)."""
+        if victim in self._prefilling:
+            return False
+        seqs = [s for s, lv in self._running.items() if lv.req == victim.rid]
+        if not seqs:
+            return False
+        m = self.manager
+        private = sum(1 for seq in seqs for b in m.block_table(seq) if m.refcount(b) == 1)
+        u = m.usage()
+        if private > u.host_blocks - u.host_used_blocks:
+            return False
+        for seq in seqs:
+            try:
+                m.swap_out(seq)
+            except OutOfBlocks:  # not expected after the check; restarting frees what was swapped
+                return False
+            self._swapped[seq] = self._running.pop(seq)
+        self.stats.swapped_out += len(seqs)
+        self.stats.swap_preemptions += 1
+        out.swapped_out.append(victim.rid)
         return True
+
+    def _swap_in_ready(self, scheduled: set[int], out: StepOutput) -> None:
+        """At the start of a step, bring swapped sequences back, first out first in, while the
+        device has room for each one's blocks plus a fresh block for every decoding sequence (its
+        own included): without that margin the step's own appends would preempt again. With
+        nothing else on the device a sequence comes back if it fits at all. A request brought
+        back counts as having work in this step: it is never preempted in it (the manager
+        refuses to swap out a sequence with a pending load)."""
+        m = self.manager
+        for seq, lv in list(self._swapped.items()):
+            need = m.block_table(seq).count(-1)  # at most this many loads (some may be revived)
+            busy = bool(self._running or self._prefilling)
+            if busy and need + len(self._running) + 1 > m.num_free_blocks:
+                break
+            try:
+                m.swap_in(seq)
+            except OutOfBlocks:
+                break
+            self._running[seq] = self._swapped.pop(seq)
+            scheduled.add(lv.req)
+            self.stats.swapped_in += 1
+            if lv.req not in out.swapped_in:
+                out.swapped_in.append(lv.req)
 
     def _restart(self, req: _Request) -> None:
         """Free every sequence of an admitted request and queue it again, prompt only."""
@@ -641,7 +812,7 @@ class Engine:
         if req in self._prefilling:
             self._prefilling.remove(req)
             self._free(req.seq, cache=cache)
-        for seq in [s for s, lv in self._running.items() if lv.req == req.rid]:
+        for seq in self._seqs_of(req.rid):
             self._release(seq)
         req.seq, req.hit, req.done, req.samples, req.order = None, 0, 0, [], -1
         bisect.insort(self._waiting, (req.arrival, req.rid, req), key=lambda e: e[:2])
@@ -754,21 +925,21 @@ class Engine:
             del self._requests[req.rid]
             out.finished[req.rid] = RequestResult(req.prompt, req.hit, req.samples)
 
-    def _release(self, seq: Hashable) -> None:
+    def _release(self, seq: Hashable, cache: bool = True) -> None:
         """A decoding sequence is done (or dropped): free it here and in the speculator."""
-        del self._running[seq]
-        self._free(seq)
+        if seq in self._running:
+            del self._running[seq]
+        else:
+            del self._swapped[seq]
+        self._free(seq, cache=cache)
         if self.speculator is not None:
             self.speculator.release(seq)
 
     def _drop_all(self, cache: bool) -> None:
         """Forget every request; free their sequences (``cache=False``: nothing they alone hold
         stays findable)."""
-        for seq in list(self._running):
-            del self._running[seq]
-            self._free(seq, cache=cache)
-            if self.speculator is not None:
-                self.speculator.release(seq)
+        for seq in list(self._running) + list(self._swapped):
+            self._release(seq, cache=cache)
         for req in self._prefilling:
             self._free(req.seq, cache=cache)
         self._prefilling, self._waiting, self._requests = [], [], {}
@@ -831,6 +1002,25 @@ class Engine:
             if b in self._alias and self.manager.refcount(b) == 0:
                 del self._alias[b]
 
+    def _run_transfers(self) -> None:
+        """Before the copies: the host tier's transfers, ``to_host`` batch then ``to_device``
+        batch (``store.transfer``), or under ``run_transfers=False`` nothing at all."""
+        self._step_transfers = 0
+        if not self._tiered:
+            return
+        transfers = self.manager.take_transfers()
+        if not transfers:
+            return
+        st = self.stats
+        out = sum(1 for t in transfers if t[0] == TO_HOST)
+        st.transfers_to_host += out
+        st.transfers_to_device += len(transfers) - out
+        self._step_transfers = len(transfers)
+        if self.run_transfers:
+            st.transfer_bytes += self.store.transfer(transfers)
+        else:  # negative control: loaded and swapped-in blocks keep what the device block held
+            st.skipped_transfers += len(transfers)
+
     def _run_copies(self) -> None:
         """Step 4: the queued copy-on-write copies, before any of this step's writes."""
         copies = self.manager.take_copies()
@@ -842,16 +1032,17 @@ class Engine:
                 self._alias[dst] = self._alias.get(src, src)
 
     def _forward(self, ids, feeds, slots) -> list[np.ndarray]:
-        """Steps 4-5 for a batch: copies, then the model; returns each sequence's last logits."""
+        """Steps 4-5 for a batch: transfers and copies, then the model; each sequence's last logits."""
         lens = [self.manager.num_tokens(i) for i in ids]
         return [rows[-1].copy() for rows in self._forward_rows(ids, feeds, slots, lens)]
 
     def _forward_rows(self, ids, feeds, slots, lens) -> list[np.ndarray]:
-        """Copies, then one model call; each sequence's logits, one row per query token.
+        """Transfers, copies, then one model call; each sequence's logits, one row per query token.
 
         ``lens[i]`` is the length attention sees: the sequence's scheduled positions after this
         step (``num_tokens`` in the default path; the prompt's computed prefix mid-prefill).
         """
+        self._run_transfers()
         self._run_copies()
         m = self.manager
         self.stats.steps += 1

@@ -347,12 +347,14 @@ class PagedLlama:
 
     # ---- the store this model writes into
 
-    def new_store(self, num_blocks: int, block_size: int, backend: str | None = None) -> KVStore:
+    def new_store(self, num_blocks: int, block_size: int, backend: str | None = None, *,
+                  host_blocks: int = 0) -> KVStore:
         """A KV store with this model's layers, KV heads and head dim, in the model's dtype and
-        (unless ``backend`` says otherwise) its backend."""
+        (unless ``backend`` says otherwise) its backend; ``host_blocks`` sizes its host pool (the
+        manager's host tier)."""
         d = self.dims
         return KVStore(d.num_layers, num_blocks, block_size, d.num_kv_heads, d.head_dim,
-                       dtype=self.dtype, backend=backend or self.backend)
+                       dtype=self.dtype, backend=backend or self.backend, host_blocks=host_blocks)
 
     def _check_store(self, store: KVStore) -> None:
         d = self.dims

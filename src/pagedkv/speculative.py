@@ -105,6 +105,10 @@ class DraftModelDrafter:
 
     def __init__(self, model: Any, manager: Any, num_drafts: int = 4, store: Any = None) -> None:
         self.num_drafts = _positive_int("num_drafts", num_drafts)
+        usage = getattr(manager, "usage", None)
+        if callable(usage) and getattr(usage(), "host_blocks", 0):
+            # this drafter runs no host transfers: a host prefix hit would read unloaded blocks
+            raise ValueError("the draft manager must have no host tier (host_blocks=0)")
         if store is None:
             store = model.new_store(manager.num_blocks, manager.block_size)
         if (store.num_blocks, store.block_size) != (manager.num_blocks, manager.block_size):

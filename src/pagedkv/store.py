@@ -14,12 +14,21 @@ blocks stores ``2 * 32 * 16 * 8 * 128 * 2 = 2,097,152`` bytes per block (128 KiB
 
 numpy is the default backend; ``backend="torch"`` keeps the tensors in torch (imported only then),
 which the model layer uses to avoid a copy per layer.
+
+**The host pool.** ``KVStore(..., host_blocks=N)`` adds ``host_kv``, ``N`` blocks in host memory
+with the same per-block layout (``[layers, 2, N, block_size, kv_heads, head_dim]``: a numpy array,
+or a CPU torch tensor, pinned when the device pool is on a GPU). It is where a manager with a
+host tier (``KVCacheManager(..., host_blocks=N)``) offloads evicted prefixes and swapped-out
+sequences: :meth:`KVStore.transfer` runs the list ``take_transfers()`` returned, every
+``to_host`` entry as one gather + scatter and then every ``to_device`` entry as another.
 """
 from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
 import numpy as np
+
+from .types import TO_DEVICE, TO_HOST
 
 __all__ = ["KVStore", "dense_attention", "kv_bytes_per_block"]
 
@@ -144,6 +153,21 @@ class _TorchOps:
         return x.float() if x.dtype in (self.t.float16, self.t.bfloat16) else x
 
 
+def _bitwise_view(tensor) -> np.ndarray | None:
+    """A numpy view of a CPU torch tensor's memory as same-width ints (so bfloat16 works too),
+    or None for a tensor on a GPU.
+
+    Why: torch's CPU advanced-index assignment along a middle axis ran ~3-4x slower than
+    numpy's on the benchmark shape (256 copies of 512 KiB blocks: ~80 ms vs ~22 ms).
+    """
+    if tensor.device.type != "cpu":
+        return None
+    import torch
+
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    return tensor.view(ints).numpy()
+
+
 def _ops_for(x) -> Any:
     if type(x).__module__.startswith("torch"):
         return _TorchOps(str(x.device))
@@ -198,11 +222,16 @@ class KVStore:
     (call it before the step's writes); ``store.paged_attention(layer, q, tables, seq_lens)``
     attends straight through block tables. Example: ``KVStore(2, 64, 16, 2, 16)`` holds 64 blocks of
     16 tokens for 2 layers of 2 KV heads × 16 dims; ``nbytes`` is ``2*2*64*16*2*16*4 = 524,288``.
+
+    ``host_blocks=N`` adds a host pool of ``N`` blocks (``host_kv``, same layout) and
+    ``store.transfer(manager.take_transfers())`` moves blocks between the two (call it before
+    ``copy_blocks``). With ``host_blocks=128`` the example's ``host_nbytes`` is 1,048,576 and
+    ``nbytes`` 1,572,864.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, *, dtype: str = "float32", backend: str = "numpy",
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", host_blocks: int = 0) -> None:
         for name, v in (("num_layers", num_layers), ("num_blocks", num_blocks),
                         ("block_size", block_size), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim)):
@@ -215,26 +244,36 @@ class KVStore:
             raise ValueError("numpy has no bfloat16; use backend='torch' or another dtype")
         if backend == "numpy" and device != "cpu":
             raise ValueError(f"the numpy backend lives on the cpu, got device={device!r}")
+        if isinstance(host_blocks, bool) or not isinstance(host_blocks, (int, np.integer)) or host_blocks < 0:
+            raise ValueError(f"host_blocks must be an int >= 0, got {host_blocks!r}")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.dtype, self.backend = num_kv_heads, head_dim, dtype, backend
         self._ops = _TorchOps(device) if backend == "torch" else _NumpyOps()
         self.kv = self._ops.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype)
         self._copy_view = self._bitwise_numpy_view()
+        self.host_blocks = int(host_blocks)
+        # The host pool: ``[layers, 2, host_blocks, block_size, kv_heads, head_dim]`` in host
+        # memory, or None without one.
+        self.host_kv = self._new_host_pool(self.host_blocks)
+        self._host_view = None
+        if self.host_kv is not None:
+            self._host_view = self.host_kv if backend == "numpy" else _bitwise_view(self.host_kv)
 
     def _bitwise_numpy_view(self):
         """The array ``copy_blocks`` indexes: the store itself, or for torch on the CPU a numpy view
-        of the same memory (as same-width ints, so bfloat16 works too).
+        of the same memory (see :func:`_bitwise_view`)."""
+        return self.kv if self.backend == "numpy" else _bitwise_view(self.kv)
 
-        Why: torch's CPU advanced-index assignment along a middle axis ran ~3-4x slower than
-        numpy's on the benchmark shape (256 copies of 512 KiB blocks: ~80 ms vs ~22 ms).
-        """
-        if self.backend == "numpy":
-            return self.kv
-        if self.kv.device.type != "cpu":
+    def _new_host_pool(self, host_blocks: int):
+        """``host_blocks`` blocks in host memory, laid out like the device pool (None for 0)."""
+        if not host_blocks:
             return None
+        shape = (self.num_layers, 2, host_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        if self.backend == "numpy":
+            return np.zeros(shape, dtype=np.dtype(self.dtype))
         t = self._ops.t
-        ints = {2: t.int16, 4: t.int32, 8: t.int64}[self.kv.element_size()]
-        return self.kv.view(ints).numpy()
+        pin = self.kv.device.type == "cuda"  # page-locked, so host<->device copies can run async
+        return t.zeros(shape, dtype=getattr(t, self.dtype), device="cpu", pin_memory=pin)
 
     # ---- sizes
 
@@ -249,9 +288,20 @@ class KVStore:
                                   self.head_dim, self.dtype)
 
     @property
-    def nbytes(self) -> int:
-        """Size of the whole store in bytes (``num_blocks * bytes_per_block``)."""
+    def device_nbytes(self) -> int:
+        """Bytes of the device pool (``num_blocks * bytes_per_block``)."""
         return self.num_blocks * self.bytes_per_block
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes of the host pool (``host_blocks * bytes_per_block``; 0 without one)."""
+        return self.host_blocks * self.bytes_per_block
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the whole store in bytes: ``device_nbytes + host_nbytes`` (the device pool
+        alone when there is no host pool)."""
+        return self.device_nbytes + self.host_nbytes
 
     def key_cache(self, layer: int):
         """Layer ``layer``'s key cache, NHD: ``[num_blocks, block_size, kv_heads, head_dim]`` (a view)."""
@@ -312,6 +362,80 @@ class KVStore:
             src, dst = index(pairs[start:end, 0]), index(pairs[start:end, 1])
             kv[:, :, dst] = kv[:, :, src]
         return len(pairs) * self.bytes_per_block
+
+    def transfer(self, transfers: Iterable[Sequence[Any]]) -> int:
+        """Move blocks between the device pool and the host pool; return bytes moved.
+
+        ``transfers`` is what ``KVCacheManager.take_transfers()`` returned: ``Transfer(direction,
+        src, dst)`` tuples (any ``(direction, src, dst)`` triples work), every ``"to_host"`` entry
+        (device block ``src`` -> host block ``dst``) before every ``"to_device"`` entry (host
+        ``src`` -> device ``dst``). Each direction runs as one gather + scatter along the block
+        axis, all layers' K and V at once, ``to_host`` first: a device block that leaves for the
+        host may be the very block a ``to_device`` entry then fills. Everything is checked
+        before anything moves (a bad direction, an id out of range, a destination twice in one
+        direction, a ``to_host`` after a ``to_device``, a store without a host pool): ValueError,
+        nothing written. Worked number: 3 transfers in the test model with 16-token blocks move
+        ``3 * 8,192 = 24,576`` bytes.
+        """
+        out_pairs, in_pairs = self._check_transfers(transfers)
+        if len(out_pairs):
+            self._move_blocks(to_host=True, src=out_pairs[:, 0], dst=out_pairs[:, 1])
+        if len(in_pairs):
+            self._move_blocks(to_host=False, src=in_pairs[:, 0], dst=in_pairs[:, 1])
+        return (len(out_pairs) + len(in_pairs)) * self.bytes_per_block
+
+    def _check_transfers(self, transfers: Iterable[Sequence[Any]]) -> tuple[np.ndarray, np.ndarray]:
+        """The ``to_host`` and the ``to_device`` entries as ``[n, 2]`` int64 (src, dst) arrays."""
+        entries = list(transfers)
+        if not entries:
+            empty = np.empty((0, 2), dtype=np.int64)
+            return empty, empty
+        if self.host_kv is None:
+            raise ValueError("this store has no host pool: make it with host_blocks=N to run transfers")
+        directions = []
+        for e in entries:
+            if isinstance(e, (str, bytes)) or not hasattr(e, "__len__") or len(e) != 3:
+                raise ValueError(f"a transfer is (direction, src, dst), got {e!r}")
+            if not isinstance(e[0], str) or e[0] not in (TO_HOST, TO_DEVICE):
+                raise ValueError(f"a transfer's direction is {TO_HOST!r} or {TO_DEVICE!r}, got {e[0]!r}")
+            if any(isinstance(b, bool) for b in e[1:]):
+                raise ValueError(f"transfer block ids must be ints, got {e!r}")
+            directions.append(e[0] == TO_HOST)
+        outgoing = np.asarray(directions, dtype=bool)
+        n_out = int(outgoing.sum())
+        if not outgoing[:n_out].all():
+            raise ValueError(f"every {TO_HOST!r} transfer must come before every {TO_DEVICE!r} one "
+                             "(take_transfers() lists them so)")
+        pairs = _as_index([tuple(e[1:]) for e in entries], "transfer block ids")
+        out_pairs, in_pairs = pairs[:n_out], pairs[n_out:]
+        for what, arr, hi in (("to_host sources (device blocks)", out_pairs[:, 0], self.num_blocks),
+                              ("to_host destinations (host blocks)", out_pairs[:, 1], self.host_blocks),
+                              ("to_device sources (host blocks)", in_pairs[:, 0], self.host_blocks),
+                              ("to_device destinations (device blocks)", in_pairs[:, 1], self.num_blocks)):
+            _check_range(arr, hi, what)
+        for what, dst in ((TO_HOST, out_pairs[:, 1]), (TO_DEVICE, in_pairs[:, 1])):
+            if np.unique(dst).size != dst.size:
+                raise ValueError(f"a block is the destination of two {what!r} transfers: one batch "
+                                 "would write it in an undefined order")
+        return out_pairs, in_pairs
+
+    def _move_blocks(self, to_host: bool, src: np.ndarray, dst: np.ndarray) -> None:
+        """One batched gather + scatter of whole blocks between the pools."""
+        if self._copy_view is not None:  # numpy, or torch on the CPU: numpy views of both pools
+            device, host = self._copy_view, self._host_view
+            if to_host:
+                host[:, :, dst] = device[:, :, src]
+            else:
+                device[:, :, dst] = host[:, :, src]
+            return
+        t = self._ops.t  # torch on a GPU: one gather on the source side, one copy, one scatter
+        cpu = lambda idx: t.from_numpy(np.ascontiguousarray(idx))  # noqa: E731
+        if to_host:
+            rows = self.kv.index_select(2, self._ops.index(src)).to("cpu")
+            self.host_kv.index_copy_(2, cpu(dst), rows)
+        else:
+            rows = self.host_kv.index_select(2, cpu(src)).to(self.kv.device, non_blocking=True)
+            self.kv.index_copy_(2, self._ops.index(dst), rows)
 
     # ---- reads
 
