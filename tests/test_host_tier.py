@@ -147,6 +147,8 @@ def test_swap_out_moves_private_blocks_and_keeps_shared_ones():
     assert m.refcount(0) == 2 and m.refcount(2) == 0
     u = m.usage()
     assert (u.swapped_sequences, u.host_used_blocks) == (1, 1)
+    assert (m.num_host_blocks, m.num_swapped_blocks("c"), m.num_swapped_blocks("p")) == (8, 1, 0)
+    assert m.num_free_host_blocks == 7
     for call in (lambda: m.append_token("c", 1), lambda: m.fork("c", "d"),
                  lambda: m.block_tables(["c"]), lambda: m.slots("c")):
         with pytest.raises(ValueError, match="swapped out"):

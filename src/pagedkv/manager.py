@@ -271,6 +271,23 @@ class KVCacheManager:
         return self._pool.num_free
 
     @property
+    def num_host_blocks(self) -> int:
+        """Blocks of the host tier (0 without one)."""
+        return self._tier.num_blocks if self._tier is not None else 0
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        """Host blocks a swap or an offload can take now: clean plus cached-free (0 without a
+        tier). Blocks held by swapped-out sequences or by undrained transfers are not free."""
+        return self._tier.num_free if self._tier is not None else 0
+
+    def num_swapped_blocks(self, seq_id: Hashable) -> int:
+        """Blocks of the sequence that live on the host (0 unless it is swapped out): at most
+        what ``swap_in`` takes from the device (fewer when some are still cached there)."""
+        s = self._seq(seq_id)
+        return len(s.host) if s.host is not None else 0
+
+    @property
     def num_sequences(self) -> int:
         """Live sequences (admitted and not freed)."""
         return len(self._seqs)
