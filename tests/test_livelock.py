@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pagedkv.cli import main
 from pagedkv.report import SECTIONS
 from pagedkv.report import livelock as section_mod
 from pagedkv.report.options import ReportOptions
@@ -73,7 +74,7 @@ def test_start_up_refuses_a_request_longer_than_the_cache_and_names_the_numbers(
         simulate(reqs, alloc, FREE)
     msg = str(e.value)
     for needle in ("request long", "105 tokens", "27 blocks of 4", "32 slots", "8 blocks", "27 blocks",
-                   "max_len <= 32", "(now 2,048)", "fit_check=False"):
+                   "max_len <= 32", "(now 2,048)", "runs into a livelock"):
         assert needle in msg, needle
     assert alloc.usage().used_blocks == 0 and alloc.usage().prefix_query_tokens == 0  # nothing ran
     # clipped to a max_len that fits, it runs (the operator's fix the message suggests)
@@ -104,6 +105,33 @@ def test_freeable_blocks_counts_only_the_blocks_a_victim_alone_holds():
     assert freeable_blocks(p, "K") == 3
     r = ReservationAllocator(64, "oracle", 64)
     assert r.admit(req("R", 10, 10)) and freeable_blocks(r, "R") is None  # a range: always frees
+
+
+def test_sample_allocator_forks_only_a_fresh_identical_prompt_and_recomputes_from_the_cache():
+    a = SampleAllocator(40, 4)
+    assert a.admit(req("x", 10, 5, key=1))
+    a.step(["x"])  # x has produced a token: no longer fresh
+    assert a.admit(req("y", 10, 5, key=1)) and a.forks == 0
+    assert a.last_hit_tokens == 8  # the two full blocks, from the prefix cache
+    assert a.admit(req("z", 10, 5, key=1)) and a.forks == 1 and a.last_hit_tokens == 10  # y is fresh
+    assert a.m.block_table("z.0") == a.m.block_table("y.0")
+    a.step(["x", "y", "z"])
+    a.release("x")  # preempted at 12 tokens: its full blocks stay cached
+    # recomputed with its first generated token (11 tokens): the two blocks before the last token hit
+    assert a.admit(req("x", 10, 5, key=1), generated=1) and a.last_hit_tokens == 8
+    assert a.admit(req("g", 6, 3, key=2, n=3)) and a.num_seqs("g") == 3 and a.seq_ids("g") == ["g.0", "g.1", "g.2"]
+    a.check()
+    for bad in (req("b", 4, 2, beam_width=2), req("g", 4, 2)):
+        with pytest.raises(ValueError):
+            a.admit(bad)
+    with pytest.raises(ValueError):
+        a.admit(req("n", 4, 2, n=2), generated=1)
+    with pytest.raises(ValueError):
+        split_samples([req("b", 4, 2, beam_width=2)])
+    free = a.m.num_free_blocks
+    assert not a.admit(req("big", 4 * free + 4, 1))  # refused, nothing changed
+    assert a.m.num_free_blocks == free
+    a.check()
 
 
 # ---- (a) thrashing ----------------------------------------------------------------------------
@@ -279,11 +307,16 @@ def test_request_log_and_tail_latency_on_the_docstring_example():
 
 
 def test_tail_latency_counts_a_request_that_never_finished_as_infinitely_late():
-    reqs, blocks = section_mod.pingpong_case(16)
-    res = simulate(reqs + [req("late", 16, 16, arrival=1e6)], SampleAllocator(blocks, 16, enable_prefix_caching=False),
-                   FREE, guards=Guards(newest_first=False), on_livelock="return")
+    reqs, blocks = section_mod.never_fits_case(16, samples=True)  # 3 small ones finish, "wide" never
+    res = simulate(reqs, SampleAllocator(blocks, 16), FREE, max_len=4096, guards=Guards(fit_check=False),
+                   on_livelock="return")
+    log = res.requests
+    assert res.finished == 3 and np.isnan(log.finish[0])
     lat = tail_latency(res)
-    assert lat["latency_p50"] == float("inf") and np.isnan(res.requests.finish).all()
+    done = np.sort(log.finish[1:] - log.arrival[1:])
+    assert lat["latency_p50"] == done[1]  # nearest rank: the 2nd of 4
+    assert lat["latency_p90"] == lat["latency_p99"] == float("inf")
+    assert lat["ttft_p99"] < float("inf")  # it did produce tokens
 
 
 # ---- with the guards, every request finishes or is reported -----------------------------------
@@ -363,6 +396,22 @@ def test_reservation_baselines_with_all_guards_finish():
     for name in ("max", "pow2", "oracle"):
         res = simulate(reqs, make_allocator(name, 8, 16, max_len=64), FREE, max_len=64, guards=Guards.all_on())
         assert res.completed and res.finished == 6 and res.preemptions == 0
+
+
+# ---- the command line ----------------------------------------------------------------------
+
+
+def test_simulate_command_takes_the_guards(capsys):
+    args = ["simulate", "alpaca", "--n", "4", "--num-requests", "30", "--kv-gib", "0.1", "--allocator", "paged",
+            "--rate", "0"]
+    assert main(args + ["--guards", "none"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pagedkv simulate: error: livelock: no request progressed")
+    assert main(args + ["--guards", "all"]) == 0
+    assert "preemptions" in capsys.readouterr().out
+    assert main(["simulate", "sharegpt", "--num-requests", "20", "--kv-gib", "0.01", "--allocator", "paged"]) == 2
+    err = capsys.readouterr().err
+    assert "needs" in err and "holds 80 slots (5 blocks): it could never run" in err and "Traceback" not in err
 
 
 # ---- the report section ----------------------------------------------------------------------

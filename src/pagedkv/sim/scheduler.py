@@ -62,7 +62,7 @@ from .baselines import CATEGORIES, KVAllocator
 from .costmodel import CostModel
 from .request import Request
 
-__all__ = ["StepLog", "SimResult", "RequestLog", "Guards", "GUARD_NAMES", "Livelock", "simulate",
+__all__ = ["StepLog", "SimResult", "RequestLog", "Guards", "GUARD_NAMES", "GUARD_PRESETS", "Livelock", "simulate",
            "clip_request", "check_fits", "freeable_blocks", "Progress"]
 
 GUARD_NAMES = ("newest_first", "no_admit_after_preempt", "fit_check", "skip_unfreeing", "watermark")
@@ -139,6 +139,9 @@ class Guards:
         return ", ".join(on) or "none"
 
 
+GUARD_PRESETS = {"vllm": Guards(), "all": Guards.all_on(), "none": Guards.all_off()}  # for the CLI
+
+
 class Livelock(ValueError):
     """The run stopped making progress (or hit ``max_iterations``); ``result`` is the partial
     :class:`SimResult`, whose ``livelock`` says why. A ``ValueError``: the configuration (cache,
@@ -179,7 +182,7 @@ def check_fits(requests: Iterable[Request], allocator: KVAllocator, max_len: int
             f"the whole KV cache of {allocator.name} holds {allocator.capacity:,} slots "
             f"({allocator.capacity // bs:,} blocks): it could never run. Give the cache at least "
             f"{blocks:,} blocks or clip requests to max_len <= {allocator.capacity // bs * bs:,} "
-            f"(now {max_len:,}); Guards(fit_check=False) runs it anyway, into a livelock")
+            f"(now {max_len:,}); without the fit check (fit_check=False) it runs into a livelock")
 
 
 def freeable_blocks(allocator: KVAllocator, req_id: str) -> int | None:
