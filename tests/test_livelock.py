@@ -139,8 +139,8 @@ def test_sample_allocator_runs_distinct_prompts_exactly_as_the_paged_allocator()
     watermark: the same admissions, steps, preemptions and cache contents."""
     reqs = section_mod.thrash_workload(12, 3, long_output=False)
     reqs += [req(f"k{i}", 30 + i, 60, key=900 + i, n=3) for i in range(4)]
-    runs = [simulate(reqs, alloc, FREE) for alloc in (SampleAllocator(60, 16), PagedAllocator(60, 16, watermark=0.0))]
-    a, b = runs
+    allocators = (SampleAllocator(60, 16), PagedAllocator(60, 16, watermark=0.0))
+    a, b = (simulate(reqs, alloc, FREE) for alloc in allocators)
     assert a.preemptions == b.preemptions > 0 and a.recomputed_tokens == b.recomputed_tokens
     assert np.array_equal(a.steps.slots, b.steps.slots) and np.array_equal(a.steps.tokens, b.steps.tokens)
     assert a.usage == b.usage

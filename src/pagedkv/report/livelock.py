@@ -9,7 +9,7 @@ Three tables:
 
 1. **Thrashing and the watermark.** Requests with long outputs all arrive at once on a cache
    that holds a fraction of them, the regime of vLLM PR #44594 (input ~1,000 / output ~5,000
-   tokens there; 200 / 800 on average here). Preemptions, the most of one request, recomputed
+   tokens there; about 200 / 800 here). Preemptions, the most of one request, recomputed
    tokens and tail latency for vLLM v1's defaults, without the no-admit rule, and with an
    admission watermark of 2, 5 and 10%.
 2. **The failure modes, each with its guard off and on**, on workloads built to show them: a
