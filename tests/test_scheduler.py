@@ -100,12 +100,20 @@ def test_preempted_request_goes_back_to_the_front_and_resumes():
     assert admits.index(later[0][1:]) < admits.index(("r2", 0))  # ahead of r2
 
 
-def test_requests_that_never_fit_are_dropped():
+def test_requests_that_never_fit_are_refused_or_dropped():
+    # one sequence longer than the whole cache: refused before the run (the fit check)
     reqs = [req(0, 100, 5), req(1, 4, 2)]
-    res = simulate(reqs, PagedAllocator(8, 4), FREE, max_len=2048)
-    assert (res.dropped, res.finished) == (1, 1)
-    res = simulate(reqs, ReservationAllocator(32, "oracle", 2048), FREE)
-    assert (res.dropped, res.finished) == (1, 1)
+    with pytest.raises(ValueError, match="request r0 needs 105 tokens"):
+        simulate(reqs, PagedAllocator(8, 4), FREE, max_len=2048)
+    with pytest.raises(ValueError, match="holds 32 slots"):
+        simulate(reqs, ReservationAllocator(32, "oracle", 2048), FREE)
+    # four samples that fit one at a time but not together: dropped when alone, and named
+    reqs = [req(0, 4, 20, n=4), req(1, 4, 2)]
+    res = simulate(reqs, PagedAllocator(8, 4), FREE)
+    assert (res.dropped, res.finished, res.dropped_ids) == (1, 1, ("r0",))
+    # a reservation that cannot be placed even in empty memory: dropped too (Max reserves 64)
+    res = simulate([req(0, 4, 2), req(1, 4, 2)], ReservationAllocator(32, "max", 64), FREE, max_len=64)
+    assert (res.dropped, res.finished) == (2, 0) and res.completed
 
 
 def test_max_num_seqs_caps_the_batch():

@@ -25,7 +25,7 @@ from ..sim import sizing
 from ..sim.baselines import ALLOCATORS, make_allocator
 from ..sim.costmodel import H100_BF16_FLOPS, H100_HBM_BYTES_PER_S, CostModel
 from ..sim.metrics import compute
-from ..sim.scheduler import simulate
+from ..sim.scheduler import GUARD_PRESETS, simulate
 from ..tables import Table
 from . import UsageError, check_data_dir, check_int, check_model, check_number, reports_errors
 
@@ -65,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tflops", type=float, default=H100_BF16_FLOPS / 1e12, help="peak TFLOP/s for prefill")
     p.add_argument("--overhead-ms", type=float, default=1.0, help="fixed overhead per iteration (ms)")
     p.add_argument("--no-prefix-caching", action="store_true", help="paged: turn prefix caching off")
+    p.add_argument("--guards", default="vllm", choices=list(GUARD_PRESETS),
+                   help="scheduler guards against livelock: vLLM v1's (default), all (plus skipping victims "
+                        "that free nothing and a 5%% admission watermark) or none")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action="store_true", help="progress bar on stderr")
     p.add_argument("--data-dir", type=Path, default=None, metavar="DIR",
@@ -175,7 +178,7 @@ def _table(args: argparse.Namespace, num_blocks: int, cost: CostModel, reqs: lis
         kw = {"enable_prefix_caching": not args.no_prefix_caching, "beam_seed": args.seed} if name == "paged" else {}
         alloc = make_allocator(name, num_blocks, args.block_size, args.max_len, **kw)
         res = simulate(reqs, alloc, cost, max_len=args.max_len, max_num_seqs=args.max_num_seqs,
-                       progress=args.progress)
+                       progress=args.progress, guards=GUARD_PRESETS[args.guards])
         m = compute(res)
         sh = {k: round(100 * v, 1) for k, v in m.shares.items()}
         t.add(alloc.name, sh["token_states"], sh["reserved"], sh["internal_fragmentation"],

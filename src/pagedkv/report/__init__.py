@@ -26,6 +26,7 @@ SECTIONS: dict[str, str] = {
     "sharing": "sharing",
     "prefix_hits": "prefix_hits",
     "chunked_spec": "chunked_spec",
+    "livelock": "livelock",
 }
 
 

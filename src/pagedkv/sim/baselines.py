@@ -435,6 +435,10 @@ class PagedAllocator(KVAllocator):
         st = self._reqs[req_id]
         return max(len(st.seqs), st.req.num_seqs)
 
+    def seq_ids(self, req_id: str) -> list[str]:
+        """The manager's ids of the request's live sequences (its samples or surviving beams)."""
+        return list(self._reqs[req_id].seqs)
+
     @property
     def kv_tokens(self) -> int:
         return self._kv_tokens

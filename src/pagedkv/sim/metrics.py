@@ -22,9 +22,10 @@ import numpy as np
 from .baselines import CATEGORIES
 from .scheduler import SimResult, StepLog
 
-__all__ = ["Metrics", "compute", "window_mask", "time_weighted_shares"]
+__all__ = ["Metrics", "compute", "window_mask", "time_weighted_shares", "tail_latency", "QUANTILES"]
 
 WINDOWS = ("saturated", "busy", "all")
+QUANTILES = (50, 90, 99)
 
 
 def window_mask(steps: StepLog, window: str) -> np.ndarray:
@@ -128,3 +129,28 @@ def compute(result: SimResult, window: str = "saturated") -> Metrics:
         block_table_entries=entries,
         block_table_bytes_per_seq=4.0 * entries / batch if batch > 0 else 0.0,
     )
+
+
+def tail_latency(result: SimResult, quantiles: tuple[int, ...] = QUANTILES) -> dict[str, float]:
+    """Percentiles of per-request latency (arrival to finish) and time to first token, in
+    seconds of the cost model: ``{"latency_p50": ..., "ttft_p99": ...}``.
+
+    Every request counts except those dropped as never fitting (they are reported by id): one
+    that never finished (never produced a token), because the run stopped in a livelock, is
+    infinitely late, so a percentile it reaches is ``inf``. Nearest-rank percentiles (the
+    smallest value with at least q% of requests at or below it), so that an infinite value
+    never blends into a finite one. Example: latencies 1, 2, ..., 100 s -> p50 50, p90 90,
+    p99 99; with the slowest two never finishing, p99 is inf.
+    """
+    if not isinstance(result, SimResult) or result.requests is None:
+        raise ValueError("tail_latency needs a SimResult with its request log")
+    log = result.requests
+    dropped = set(result.dropped_ids)
+    keep = np.array([rid not in dropped for rid in log.ids], dtype=bool)
+    out = {}
+    for name, t in (("latency", log.finish), ("ttft", log.first_token)):
+        values = np.where(np.isnan(t), np.inf, t - log.arrival)[keep]
+        for q in quantiles:
+            out[f"{name}_p{q}"] = (float(np.percentile(values, q, method="inverted_cdf"))
+                                   if len(values) else float("nan"))
+    return out

@@ -1,0 +1,193 @@
+"""Parallel samples as separate requests that share their prompt by fork.
+
+Why: the paged allocator (:class:`~pagedkv.sim.baselines.PagedAllocator`) keeps the ``n``
+samples of a request together, as vLLM v0's sequence group did: they are admitted, stepped and
+preempted as one, so a victim always frees its blocks. vLLM v1 schedules every sample as its own
+request. Then a victim can be a sample whose blocks are all shared with its siblings, and
+preempting it frees nothing: the failure mode (c) of :mod:`pagedkv.sim.scheduler`, and the
+reason for its ``skip_unfreeing`` guard.
+
+:class:`SampleAllocator` serves both on the real :class:`~pagedkv.KVCacheManager`. A request
+admitted while another live request with the same prompt recipe (``segments``, hence the same
+tokens) has produced nothing yet forks it: it shares every block, the partial last one included,
+and allocates nothing (copy-on-write pays at its first token). Otherwise it is added with its
+prompt, and after a preemption with its own generated tokens, finding in the prefix cache
+whatever is still there. :func:`split_samples` turns ``n``-sample requests into ``n`` requests;
+a request left with ``n`` > 1 runs its samples as one group.
+
+Worked example (block size 16): four samples of a 40-token prompt arrive together, split. The
+first is added (3 blocks), the other three fork it (0 blocks; every block has refcount 4). Until
+their first step copies the shared partial block, preempting any of them frees 0 blocks
+(:func:`~pagedkv.sim.scheduler.freeable_blocks`).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from ..manager import KVCacheManager
+from ..types import OutOfBlocks, Usage
+from .baselines import Breakdown, KVAllocator, generated_tokens, seq_key
+from .request import Request
+
+__all__ = ["SampleAllocator", "split_samples"]
+
+
+def split_samples(requests: Iterable[Request]) -> list[Request]:
+    """Each request with ``n`` > 1 as ``n`` one-sample requests ``{id}/{i}`` (same arrival,
+    prompt and output length); other requests unchanged. Beam search cannot be split (its beams
+    are chosen together): ValueError."""
+    out = []
+    for r in requests:
+        if r.beam_width > 1:
+            raise ValueError(f"request {r.req_id}: beams are chosen together and cannot be split")
+        if r.n == 1:
+            out.append(r)
+        else:
+            out += [replace(r, req_id=f"{r.req_id}/{i}", n=1) for i in range(r.n)]
+    return out
+
+
+class _Entry:
+    __slots__ = ("req", "seqs", "keys", "length")
+
+    def __init__(self, req: Request, seqs: list[str], length: int) -> None:
+        self.req, self.seqs, self.length = req, seqs, length
+        self.keys = [seq_key(s) for s in seqs]
+
+
+class SampleAllocator(KVAllocator):
+    """Requests on a real manager, where an identical prompt forks a live, fresh copy of it.
+
+    A request with ``n`` > 1 samples runs them as one group (forked at admission, stepped,
+    preempted and restarted together, as :class:`~pagedkv.sim.baselines.PagedAllocator` does);
+    :func:`split_samples` makes them separate requests instead. Beam search is left to
+    ``PagedAllocator``. ``watermark`` keeps that share of blocks free at admission (a fork is
+    exempt: it takes no block); 0 by default, so that the scheduler's own guard decides.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 hash_algo: str = "sha256", watermark: float = 0.0) -> None:
+        if not 0 <= watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
+        self.m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
+                                hash_algo=hash_algo, enable_events=False)
+        self.name = "paged (samples)"
+        self.block_size = block_size
+        self.capacity = num_blocks * block_size
+        self.watermark_blocks = int(watermark * num_blocks)
+        self._reqs: dict[str, _Entry] = {}
+        self._fresh: dict[tuple, dict[str, None]] = {}  # prompt recipe -> live requests still at it
+        self._kv_tokens = 0
+        self.copies = 0
+        self.forks = 0  # admissions served by forking a fresh identical prompt
+
+    def admit(self, req: Request, generated: int = 0) -> bool:
+        if req.beam_width > 1:
+            raise ValueError(f"request {req.req_id}: beam search runs on PagedAllocator")
+        if req.req_id in self._reqs:
+            raise ValueError(f"request {req.req_id} is already admitted")
+        if not 0 <= generated <= req.output_len or (generated and req.n > 1):
+            raise ValueError(f"generated must be in [0, {req.output_len}] (0 for n > 1)")
+        seqs = [f"{req.req_id}.{i}" for i in range(req.n)]
+        fresh = self._fresh.get(req.segments) if generated == 0 else None
+        if fresh:
+            self.m.fork(self._reqs[next(iter(fresh))].seqs[0], seqs[0])
+            self.forks += 1
+            self.last_hit_tokens = req.prompt_len
+        elif not self._add(req, seqs[0], generated):
+            return False
+        for child in seqs[1:]:
+            self.m.fork(seqs[0], child)
+        entry = _Entry(req, seqs, req.prompt_len + generated)
+        self._reqs[req.req_id] = entry
+        if generated == 0:
+            self._fresh.setdefault(req.segments, {})[req.req_id] = None
+        self._kv_tokens += len(seqs) * entry.length
+        return True
+
+    def _add(self, req: Request, seq: str, generated: int) -> bool:
+        m = self.m
+        need = -(-(req.prompt_len + generated) // self.block_size)
+        if m.num_free_blocks < need + self.watermark_blocks and self._reqs:
+            return False
+        prompt = req.prompt_tokens()
+        if generated:
+            pos = np.arange(req.prompt_len, req.prompt_len + generated)
+            prompt += generated_tokens(np.full(generated, seq_key(seq), dtype=np.uint64), pos).tolist()
+        try:
+            self.last_hit_tokens = m.add_sequence(seq, prompt)
+        except OutOfBlocks:  # nothing changed
+            return False
+        return True
+
+    def _unfresh(self, req_id: str) -> None:
+        req = self._reqs[req_id].req
+        fresh = self._fresh.get(req.segments)
+        if fresh is not None and req_id in fresh:
+            del fresh[req_id]
+            if not fresh:
+                del self._fresh[req.segments]
+
+    def step(self, req_ids: Sequence[str]) -> int:
+        entries = [self._reqs[r] for r in req_ids]
+        ids: list[str] = []
+        keys: list[int] = []
+        pos: list[int] = []
+        for e in entries:
+            ids += e.seqs
+            keys += e.keys
+            pos += [e.length] * len(e.seqs)
+        toks = generated_tokens(np.array(keys, dtype=np.uint64), np.array(pos, dtype=np.uint64))
+        self.m.append_batch(ids, toks)  # OutOfBlocks: atomic, the scheduler preempts and retries
+        self.copies += len(self.m.take_copies())
+        for rid, e in zip(req_ids, entries):
+            if e.length == e.req.prompt_len:
+                self._unfresh(rid)
+            e.length += 1
+        self._kv_tokens += len(ids)
+        return len(ids)
+
+    def release(self, req_id: str) -> None:
+        self._unfresh(req_id)
+        e = self._reqs.pop(req_id)
+        for s in reversed(e.seqs):
+            self.m.free(s)
+        self._kv_tokens -= len(e.seqs) * e.length
+
+    def num_seqs(self, req_id: str) -> int:
+        return len(self._reqs[req_id].seqs)
+
+    def seq_ids(self, req_id: str) -> list[str]:
+        """The manager's ids of the request's sequences (for freeable-block counts)."""
+        return list(self._reqs[req_id].seqs)
+
+    @property
+    def kv_tokens(self) -> int:
+        return self._kv_tokens
+
+    def usage(self) -> Usage:
+        return self.m.usage()
+
+    def breakdown(self, blocked: Request | None = None) -> Breakdown:
+        return self.observe(blocked)[0]
+
+    def observe(self, blocked: Request | None = None) -> tuple[Breakdown, int, int]:
+        """Paged memory: token states, the unused tails of blocks, free (see PagedAllocator)."""
+        u = self.m.usage()
+        bd = Breakdown(u.stored_tokens, 0, u.allocated_slots - u.stored_tokens, 0,
+                       self.capacity - u.allocated_slots)
+        return bd, u.used_blocks + u.blocks_saved_by_sharing, u.blocks_saved_by_sharing
+
+    def sharing(self) -> tuple[int, int]:
+        return self.observe()[1:]
+
+    def check(self) -> None:
+        self.m.check_invariants()
+        assert self._kv_tokens == self.m.usage().logical_tokens
+        for fresh in self._fresh.values():
+            for rid in fresh:
+                e = self._reqs[rid]
+                assert e.length == e.req.prompt_len
