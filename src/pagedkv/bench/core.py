@@ -339,6 +339,42 @@ def _bench_builtin_key(quick: bool) -> dict:
                 f"({(tk.median_us - tu.median_us) * 1e3 / n:.0f} ns a block)")
 
 
+def _bench_host_tier(quick: bool) -> list[dict]:
+    """The host tier's costs: one decode step of 256 sequences on a tiered manager (the same
+    step as the first append_batch row, so the two read side by side: a tier must cost the decode
+    path nothing), and ``swap_out`` + ``take_transfers`` + ``swap_in`` of a 2,048-token sequence
+    (128 private blocks each way)."""
+    rng = np.random.default_rng(SEED)
+    repeat = 100 if quick else 2000
+    warmup = 10 if quick else 50
+    m, ids = _running_manager(rng, 256, steps=repeat + warmup + 1, host_blocks=4096)
+    step_tokens = iter([_tokens(rng, len(ids)) for _ in range(repeat + warmup)])
+
+    def setup():
+        m.take_events()
+        m.take_transfers()
+        return next(step_tokens)
+
+    t = measure(lambda toks: m.append_batch(ids, toks), setup=setup, repeat=repeat,
+                warmup=warmup, max_time_s=None)
+    out = [_row("append_batch, 256 seqs, host tier of 4,096 blocks", t.median_us, "µs", 50.0, t.spread())]
+
+    ms = KVCacheManager(num_blocks=1024, block_size=BLOCK_SIZE, host_blocks=1024)
+    ms.add_sequence("s", _tokens(rng, 2048))
+
+    def swap_round():
+        ms.swap_out("s")
+        ms.take_transfers()
+        ms.swap_in("s")
+        ms.take_transfers()
+
+    ts = measure(swap_round, teardown=lambda _: ms.take_events(), repeat=200 if quick else 2000,
+                 warmup=20, max_time_s=5)
+    out.append(_row("swap_out + swap_in, 2,048-token seq (128 blocks)", ts.median_us, "µs", None,
+                    f"both transfer lists drained; the full blocks are revived on the way back; {ts.spread()}"))
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # construction
 
@@ -566,5 +602,6 @@ def rows(quick: bool = False) -> list[dict]:
     out.append(_bench_speculative(quick))
     out += _bench_lookup(quick)
     out.append(_bench_builtin_key(quick))
+    out += _bench_host_tier(quick)
     return out
 
