@@ -328,6 +328,24 @@ class ManagerMachine(RuleBasedStateMachine):
             else:
                 assert isinstance(ev, AllBlocksCleared) and allow_clear
                 self.router.clear()
+        # and each completed block is published now unless its content was published before
+        # (then the cache already maps it): a block whose chain hash the events never named is
+        # missing from the cache
+        for sid, i in completed:
+            parent = self.chain_parent(sid, i)
+            blk = tuple(self.model[sid][i * bs : (i + 1) * bs])
+            assert parent is None or (parent, blk) in self.chain, (
+                f"block {i} of {sid} is complete but was never published")
+
+    def chain_parent(self, sid, i):
+        """The hash block ``i`` of ``sid`` chains from, as the events taught it; None if unknown."""
+        bs, tokens = self.bs, self.model[sid]
+        parent = self.roots.get(self.salt[sid])
+        for j in range(i):
+            if parent is None:
+                return None
+            parent = self.chain.get((parent, tuple(tokens[j * bs : (j + 1) * bs])))
+        return parent
 
     def learn_root(self, salt, root):
         """Hashes chain from a root that is a function of the salt alone: one root per salt,
@@ -724,7 +742,8 @@ class ManagerMachine(RuleBasedStateMachine):
             event("freed the source of a pending copy")
         self._free(a, cache=data.draw(st.booleans(), label="cache"))
         self._append(cb, [2], lambda: [self.m.append_token(cb, 2)])
-        if ca in self.store.writes and data.draw(st.booleans(), label="drop_child"):
+        droppable = ca in self.store.writes and self.first_write[ca] == self.admissions
+        if droppable and data.draw(st.booleans(), label="drop_child"):
             event("dropped the holder of a pending copy's destination")
             self._free(ca, cache=False, drop=True)  # its copy goes with it
 

@@ -644,6 +644,36 @@ def test_no_copy_destination_left_is_out_of_blocks_excluding_the_freed_source(ca
     m.check_invariants()
 
 
+def test_batch_needing_a_fresh_block_and_a_copy_beside_a_freed_source():
+    """Two free blocks, one of them the freed source of a pending copy; a decode step needs one
+    fresh block (f) and one copy (e). Giving f the source and e the other block serves both;
+    refusing the whole step is allowed too. Taking the other block for f first and then failing
+    on e's copy (or copying into the source) is not: the step is atomic and its batch safe."""
+    m = mk(7, enable_prefix_caching=False)
+    m.add_sequence("a", toks(0, 6))  # [0, 1]
+    m.add_sequence("d", toks(100, 6))  # [2, 3]
+    m.add_sequence("f", toks(200, 4))  # [4]: full, its next token needs a fresh block
+    m.add_sequence("g", toks(300, 2))  # [5]
+    m.fork("a", "b")
+    m.fork("d", "e")
+    m.append_token("b", 9)  # CoW 1 -> 6
+    m.free("a")  # 1: free, still the pending copy's source
+    m.free("g")  # 5: free
+    ids = ["b", "d", "e", "f"]
+    before = snapshot_v2(m, ids)
+    try:
+        slots = m.append_batch(["f", "e"], [7, 8])
+    except OutOfBlocks:
+        assert snapshot_v2(m, ids) == before
+        assert m.take_copies() == [CopyOp(1, 6)]
+    else:
+        assert sorted(m.block_table("f")[1:] + m.block_table("e")[1:]) == [1, 5]
+        assert m.block_table("e")[1] == 5
+        assert slots.tolist() == [1 * BS, 5 * BS + 2]
+        assert sorted(m.take_copies()) == [CopyOp(1, 6), CopyOp(3, 5)]
+    m.check_invariants()
+
+
 def test_copy_chain_is_rewritten_to_the_original_source():
     """X->Y pending, Y's holder forked and the child writes: Y->Z would read Y before the batch
     wrote it; the list says X->Z instead, which is what running the two in order gives."""
