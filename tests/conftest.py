@@ -202,3 +202,11 @@ def snapshot(m, seq_ids=None) -> dict:
 def toks(start: int, n: int) -> list[int]:
     """``n`` distinct token ids starting at ``start`` (distinct prompts never share a block)."""
     return list(range(start, start + n))
+
+
+def snapshot_v2(m, seq_ids=None) -> dict:
+    """``snapshot`` plus each sequence's ``num_computed`` (contract v2): what a failing v2 call
+    must leave unchanged."""
+    out = snapshot(m, seq_ids)
+    out["num_computed"] = {s: m.num_computed(s) for s in (seq_ids or [])}
+    return out
