@@ -8,8 +8,9 @@ no test is pytest's exit status 5, a failure as well: CI cannot pass on nothing.
 
 Hypothesis profiles: ``ci`` (default; bounded so that the whole core suite stays well under three
 minutes on two cores: about a minute), ``dev`` (more examples) and ``thorough`` (a long local
-soak, tens of minutes). Pick one with ``HYPOTHESIS_PROFILE=thorough pytest ...``. The state
-machines in test_stateful.py run ``STATEFUL_FACTOR`` times the profile's ``max_examples``.
+soak, tens of minutes). Pick one with ``HYPOTHESIS_PROFILE=thorough pytest ...``. The sha256
+state machine in test_stateful.py (the backbone) runs ``STATEFUL_FACTOR`` times the profile's
+``max_examples``; the builtin and xxh3 variants run the profile's own number.
 """
 from __future__ import annotations
 
