@@ -27,6 +27,8 @@ SECTIONS: dict[str, str] = {
     "prefix_hits": "prefix_hits",
     "chunked_spec": "chunked_spec",
     "livelock": "livelock",
+    "swap_vs_recompute": "swap_recompute",
+    "host_offload": "host_offload",
 }
 
 

@@ -42,8 +42,12 @@ time or gets further than it ever got for ``stall_limit`` iterations, the run st
 a livelock (:class:`Livelock`, carrying the partial :class:`SimResult`), with counters:
 preemptions (per request too), futile preemptions, recomputed and discarded tokens.
 
-Preemption is recompute only (vLLM v1's mode): :meth:`_Run.preempt` is the one place a victim
-leaves the device, so a swap mode (a host tier) slots in there.
+Preemption is recompute (vLLM v1's mode) unless the allocator can swap: :meth:`_Run.preempt` is
+the one place a victim leaves the device. An allocator with a host tier
+(:class:`~pagedkv.sim.tiered.TieredAllocator`) may take the victim with ``swap_out``; it then
+waits at the head of the queue and comes back with ``swap_in`` before any new admission, with
+every token it had. Such an allocator also prices each iteration's block transfers
+(``take_transfer_seconds(compute_s)``: the time the iteration waits for them beyond its compute).
 """
 from __future__ import annotations
 
@@ -397,6 +401,8 @@ class _Run:
         m = getattr(alloc, "m", None)
         self.manager = m if isinstance(m, KVCacheManager) else None
         self.watermark_blocks = int(guards.watermark * m.num_blocks) if self.manager else 0
+        self.swapped: set[str] = set()  # swapped out; waiting in the queue to be swapped in
+        self.transfer_s = getattr(alloc, "take_transfer_seconds", None)  # a host tier's link time
 
     # ---- admission
 
@@ -414,7 +420,14 @@ class _Run:
                 return prefill, None
             if self.running and not self.above_watermark(req, gen):
                 return prefill, req
+            if req.req_id in self.swapped:
+                if not self.swap_in(req, gen):
+                    return prefill, req
+                continue
             if not alloc.admit(req, gen):
+                if not self.running and self.swapped:  # swapped requests hold device blocks
+                    self.restart_swapped()
+                    continue
                 if self.running or not self.guards.fit_check:
                     return prefill, req  # without the fit check it stays at the head for ever
                 self.waiting.popleft()  # cannot fit even in empty memory: drop it
@@ -473,21 +486,58 @@ class _Run:
         Recompute (vLLM v1's mode): free its blocks and put it back at the head of the queue. A
         single sequence keeps the tokens it generated (its readmission prefills them with the
         prompt); a request with several sequences (samples, beams) restarts from its prompt and
-        its generated tokens are discarded. A swap mode would move the blocks to a host tier
-        here instead and queue the request for ``swap_in``.
+        its generated tokens are discarded. An allocator that swaps (``swap_out`` returns True)
+        keeps the request's blocks on its host tier instead: it waits at the head of the queue
+        for :meth:`swap_in`, with every token it had.
         """
         req, gen = self.running.pop(rid)
         seqs = self.alloc.num_seqs(rid)
         if freeable_blocks(self.alloc, rid) == 0:
             self.futile += 1
         self.running_seqs -= seqs
-        self.alloc.release(rid)
-        kept = gen if req.num_seqs == 1 else 0
+        swap_out = getattr(self.alloc, "swap_out", None)
+        if swap_out is not None and swap_out(rid):  # swapped: it keeps all it generated
+            self.swapped.add(rid)
+            kept = gen
+        else:
+            self.alloc.release(rid)
+            kept = gen if req.num_seqs == 1 else 0
         self.discarded += (gen - kept) * seqs
         self.preemptions += 1
         self.stats[rid].preemptions += 1
         self.just_preempted = True
         self.waiting.appendleft([req, kept])
+
+    def swap_in(self, req: Request, gen: int) -> bool:
+        """Bring the swapped-out head of the queue back (no prefill: its K/V is loaded). When it
+        cannot come back with nothing running, the device is held by swapped requests' shared
+        blocks: they are restarted by recompute (:meth:`restart_swapped`) and it is retried."""
+        rid = req.req_id
+        if not self.alloc.swap_in(rid):
+            if self.running:
+                return False
+            self.restart_swapped(keep=rid)
+            if not self.alloc.swap_in(rid):
+                self.restart_swapped()
+                return True  # it is an ordinary waiting request now: admitted on the next pass
+        self.swapped.discard(rid)
+        self.waiting.popleft()
+        self.running[rid] = [req, gen]
+        self.running_seqs += self.alloc.num_seqs(rid)
+        return True
+
+    def restart_swapped(self, keep: str | None = None) -> None:
+        """Turn every swapped-out request but ``keep`` into one to recompute (released, its
+        generated tokens kept as a recompute keeps them)."""
+        for entry in self.waiting:
+            req, gen = entry
+            rid = req.req_id
+            if rid in self.swapped and rid != keep:
+                self.swapped.discard(rid)
+                self.alloc.release(rid)
+                kept = gen if req.num_seqs == 1 else 0
+                self.discarded += (gen - kept) * req.num_seqs
+                entry[1] = kept
 
     def victim(self, ids: list[str]) -> str | None:
         """Whom to preempt when the step ``ids`` (admission order) does not fit; None when one
@@ -515,6 +565,8 @@ class _Run:
                 victim = self.victim(ids)
                 if victim is not None:
                     self.preempt(victim)
+                elif self.swapped:  # not alone: swapped requests hold shared device blocks
+                    self.restart_swapped()
                 elif self.guards.fit_check:  # alone and still out of memory: it can never finish
                     self.drop(ids[0])
                     return 0
@@ -530,6 +582,8 @@ class _Run:
         bd, logical, saved = self.alloc.observe(blocked)
         kv = self.alloc.kv_tokens
         dt = self.cost.step_time(kv if tokens else 0, prefill, decoding=tokens > 0)
+        if self.transfer_s is not None:  # what the step waits for its block transfers
+            dt += self.transfer_s(dt)
         self.rec.add(self.t, dt, batch, len(self.running), tokens, prefill, kv, bool(self.waiting),
                      blocked is not None, False, bd.as_tuple(), logical, saved)
         self.t += dt

@@ -1,0 +1,200 @@
+"""The report sections on the host tier: swap against recompute by block size (vLLM Fig. 19) and
+host_offload (prefix hits and TTFT against host capacity, Azure load, serving with recompute,
+offload and swap). Numbers are checked against hand computations, not against the code that
+made them."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from pagedkv.report import SECTIONS, ReportOptions
+from pagedkv.report import host_offload, swap_recompute
+from pagedkv.sim.costmodel import CostModel
+from pagedkv.sim.swap_cost import Link
+
+KV = 131_072  # Llama-3.1-8B KV bytes per token
+PARAMS = CostModel.for_model("Llama-3.1-8B").weight_bytes / 2
+RECOMPUTE_1024_S = 1024 * 2 * PARAMS / 989e12
+
+
+def _swap_s(tokens: int, bs: int, latency_s: float, copies: int = 64) -> float:
+    """Out and back in, by hand: blocks x copies x latency + whole blocks' bytes / 64e9, twice."""
+    blocks = -(-tokens // bs)
+    return 2 * (blocks * copies * latency_s + blocks * bs * KV / 64e9)
+
+
+@pytest.fixture(scope="module")
+def fig19():
+    return swap_recompute.section(ReportOptions(quick=True))
+
+
+@pytest.fixture(scope="module")
+def offload():
+    return host_offload.section(ReportOptions(quick=True))
+
+
+# ---- swap_vs_recompute ------------------------------------------------------------------------
+
+
+def test_fig19_section_is_registered_with_two_tables(fig19):
+    assert SECTIONS["swap_vs_recompute"] == "swap_recompute" and fig19.key == "swap_vs_recompute"
+    assert len(fig19.tables) == 2 and fig19.tables[0].plot["logy"] is True
+    assert any("section 7.3" in t and "Fig. 19" in t and "not ours" in t for t in fig19.text)
+
+
+def test_fig19_rows_match_hand_computation(fig19):
+    t = fig19.tables[0]
+    assert t.column("block size") == [2**i for i in range(9)]
+    for row in t.rows:
+        bs = row[0]
+        assert t.column("blocks")[t.column("block size").index(bs)] == math.ceil(1024 / bs)
+    idx = t.column("block size").index(16)
+    assert t.column("copies each way")[idx] == 64 * 64
+    assert t.column("swap ms @10us")[idx] == pytest.approx(1e3 * _swap_s(1024, 16, 10e-6))  # 86.11
+    assert t.column("swap ms @2us")[idx] == pytest.approx(1e3 * _swap_s(1024, 16, 2e-6))
+    assert t.column("swap ms 1 copy/block @10us")[idx] == pytest.approx(1e3 * _swap_s(1024, 16, 10e-6, 1))
+    assert t.column("recompute ms") == pytest.approx([1e3 * RECOMPUTE_1024_S] * 9)  # same at every size
+
+
+def test_fig19_crossover_at_10us_is_114_by_hand(fig19):
+    # 113 needs 10 blocks and loses, 114 needs 9 and wins: the crossover is 114
+    assert _swap_s(1024, 113, 10e-6) > RECOMPUTE_1024_S >= _swap_s(1024, 114, 10e-6)
+    assert fig19.data["crossover"][10]["per_layer"][1024] == 114
+    row = fig19.tables[1].rows[0]
+    assert row[0] == "per-layer, 1,024 tokens" and row[fig19.tables[1].columns.index("10 us")] == 114
+    # the spread: a larger latency per copy never moves the crossover down
+    per_layer = [fig19.data["crossover"][u]["per_layer"][1024] for u in (0, 2, 5, 10, 20)]
+    assert per_layer == sorted(per_layer) and per_layer[0] == 1
+
+
+def test_fig19_paper_pattern_is_read_from_the_rows(fig19):
+    t = fig19.tables[0]
+    rec = t.column("recompute ms")
+    for u in swap_recompute.LATENCIES_US:
+        swap = t.column(f"swap ms @{u}us")
+        holds = swap[0] > rec[0] and swap[-1] <= rec[-1]
+        assert fig19.data["paper_pattern_holds"][u] is holds
+
+
+# ---- host_offload: the replay and the TTFT model ----------------------------------------------
+
+
+def test_replay_tiered_exact_on_a_tiny_cache():
+    # 4 device blocks of 4, 8 host blocks, one sequence resident at a time. A (9 tokens) leaves
+    # two cached blocks; B (16 tokens) evicts them to the host (2 offloads); A again loads them
+    # from the host (8 tokens hit there) and evicts 3 of B's cached blocks (3 offloads).
+    a, b = np.arange(9), np.arange(100, 116)
+    empty = np.array([], dtype=np.int32)
+    rep = host_offload.replay_tiered([a, b, a], [empty] * 3, 4, 8, 4, max_running=1)
+    assert (rep.query_tokens, rep.device_hit_tokens, rep.host_hit_tokens) == (34, 0, 8)
+    assert rep.computed.tolist() == [9, 16, 1]
+    assert rep.loads.tolist() == [0, 0, 2] and rep.offloads.tolist() == [0, 2, 3]
+    assert (rep.loaded_blocks, rep.offloaded_blocks) == (2, 5)
+    none = host_offload.replay_tiered([a, b, a], [empty] * 3, 4, 0, 4, max_running=1)
+    assert (none.device_hit_tokens, none.host_hit_tokens, none.computed.tolist()) == (0, 0, [9, 16, 9])
+
+
+def test_ttft_model_by_hand():
+    rep = host_offload.TierReplay(4, 8, 128, 2, 0, 2048, 0, 0, 2, 3, np.array([1000, 24]),
+                                  np.array([0, 2]), np.array([3, 0]))
+    cost = CostModel.for_model("Llama-3.1-8B")
+    link = Link(64e9, 10e-6)
+    block = 128 * KV
+    ttft = host_offload.ttft_model(rep, cost, link, 64, block)
+    compute = [1e-3 + n * 2 * PARAMS / 989e12 for n in (1000, 24)]
+    moved = lambda n: n * 64 * 10e-6 + n * block / 64e9  # noqa: E731
+    # the first only offloads (overlapping its 17 ms prefill); the second loads 2 blocks
+    assert ttft[0] == pytest.approx(compute[0] + max(0.0, moved(3) - compute[0]))
+    assert ttft[1] == pytest.approx(compute[1] + moved(2))
+
+
+# ---- host_offload: the section ----------------------------------------------------------------
+
+
+def test_offload_section_is_registered_with_its_tables(offload):
+    assert SECTIONS["host_offload"] == "host_offload" and offload.key == "host_offload"
+    titles = [t.title for t in offload.tables]
+    assert len(titles) == 3
+    assert titles[0].startswith("Prefix hits and modelled TTFT against host capacity (Mooncake")
+    assert titles[1].startswith("Azure conversation trace") and titles[2].startswith("Serving the first")
+
+
+def test_hits_table_rows(offload):
+    t = offload.tables[0]
+    assert t.column("host capacity") == ["none", "1x device", "2x device", "4x device"]
+    assert t.column("host hits %")[0] == 0 and t.column("GiB loaded")[0] == 0
+    assert t.column("GiB offloaded")[0] == 0
+    # a host tier never changes what the device serves: loaded blocks are published as computed ones
+    assert len(set(t.column("device hits %"))) == 1
+    data = offload.data["mooncake"]
+    assert data["requests"] == host_offload.HIT_REQUESTS[True] and data["block_size"] == 128
+    host_gib = [data["device_blocks"] * m * 128 * KV / 2**30 for m in host_offload.HOST_MULTIPLES]
+    assert t.column("host GiB") == pytest.approx(host_gib)
+
+
+def test_published_claims_are_labelled_with_their_sources(offload):
+    notes = " ".join(offload.tables[0].notes)
+    assert notes.count("Published, theirs and not ours") == len(host_offload.CLAIMS) == 2
+    assert "blog.vllm.ai" in notes and "lmsys.org/blog" in notes and "--kv_offloading_size" in notes
+
+
+def test_azure_reports_no_hit_rate(offload):
+    t = offload.tables[1]
+    assert not any("hit" in c.lower() for c in t.columns)
+    assert any("cannot be measured" in n and "none is reported" in n for n in t.notes)
+    data = offload.data["azure_load"]
+    rows = data["by_host"]
+    assert [rows[m]["tokens"] for m in host_offload.HOST_MULTIPLES] == [
+        (1 + m) * rows[0]["tokens"] for m in host_offload.HOST_MULTIPLES]
+
+
+def test_serving_table_modes(offload):
+    t = offload.tables[2]
+    assert t.column("mode") == ["recompute, no host tier", "offload, per-layer", "offload, 1 copy/block",
+                                "swap, per-layer", "swap, 1 copy/block"]
+    swap_outs = t.column("swap-outs")
+    assert swap_outs[:3] == [0, 0, 0]  # only the swap modes swap
+    assert t.column("GiB to host")[0] == 0 and t.column("transfer wait s")[0] == 0
+    for label, row in offload.data["serving"].items():
+        assert row["completed"] and row["finished"] == host_offload.SERVE_REQUESTS[True], label
+        if label.startswith("swap"):
+            assert row["recomputed_tokens"] <= offload.data["serving"]["recompute, no host tier"][
+                "recomputed_tokens"]
+
+
+def test_serving_under_pressure_swaps_instead_of_recomputing():
+    # the trace's first 30 requests all at once on 400 blocks: the pool preempts, and swapping
+    # recomputes nothing where recompute recomputes
+    from dataclasses import replace
+
+    from pagedkv.sim.traces import load_azure_csv, trace_path
+
+    opts = ReportOptions()
+    reqs = [replace(r, arrival=0.0) for r in load_azure_csv(trace_path("azure-conv"), limit=30)]
+    cost = CostModel.for_model(opts.model)
+    rec, _ = host_offload._serve_one(reqs, 400, opts, cost, {})
+    swap, alloc = host_offload._serve_one(reqs, 400, opts, cost,
+                                          {"host_blocks": 800, "preemption": "swap", "copies_per_block": 1})
+    assert rec.preemptions > 0 and rec.recomputed_tokens > 0
+    assert alloc.stats.swap_outs == swap.preemptions > 0 and alloc.stats.swap_fallbacks == 0
+    assert swap.recomputed_tokens == 0 and swap.finished == rec.finished == len(reqs)
+
+
+def test_sections_without_traces_say_so(tmp_path):
+    sec = host_offload.section(ReportOptions(quick=True, data_dir=tmp_path))
+    assert not sec.tables
+    assert any("Mooncake trace not found" in t for t in sec.text)
+    assert any("Azure conversation trace not found" in t for t in sec.text)
+
+
+def test_sections_refuse_bad_options():
+    for mod in (swap_recompute, host_offload):
+        with pytest.raises(ValueError, match="ReportOptions"):
+            mod.section({"quick": True})
+
+
+def test_text_fits_the_terminal(fig19, offload):
+    for sec in (fig19, offload):
+        assert max(len(line) for line in sec.to_text().splitlines()) <= 100
