@@ -141,20 +141,23 @@ class HostTier:
         cache = self._cache
         if cache is None:
             return
-        for d, h, (parent, toks) in zip(device_blocks, hashes, contents):
-            if cache.get(h) is None:
-                self._store(d, h, parent, toks)
+        new = [(d, h, c) for d, h, c in zip(device_blocks, hashes, contents) if cache.get(h) is None]
+        self._store(new)
 
-    def _store(self, device_block: int, h: Hashable, parent: Hashable, toks) -> None:
-        pool = self._pool
-        if not pool.num_free:
+    def _store(self, items: list[tuple[int, Hashable, tuple]]) -> None:
+        """Copy ``(device block, hash, (parent, tokens))`` items out to fresh host blocks, as
+        many as the host can take (the first ones: an eviction lists its blocks oldest first),
+        one batch: one host allocation, one publication, one extension of the queue."""
+        n = min(len(items), self._pool.num_free)
+        if not n:
             return
-        host = pool.allocate_one()  # its one reference is the pending transfer's pin
-        self._cache.publish([host], [h], parent, toks, self._bs)
-        self._pinned.append(host)
-        self._to_host.append(Transfer(TO_HOST, device_block, host))
-        self._store_src.add(device_block)
-        self.to_host_count += 1
+        items = items[:n]
+        host = self._pool.allocate(n)  # each one reference: the pending transfer's pin
+        self._cache.publish_each([(hb, h, c[0], c[1]) for hb, (_, h, c) in zip(host, items)], self._bs)
+        self._pinned += host
+        self._to_host += [Transfer(TO_HOST, d, hb) for hb, (d, _, _) in zip(host, items)]
+        self._store_src.update(d for d, _, _ in items)
+        self.to_host_count += n
 
     def published(self, device_blocks: Sequence[int], hashes: Sequence[Hashable]) -> None:
         """Write-through: remember blocks the device published this step; their K/V exists
@@ -163,10 +166,8 @@ class HostTier:
 
     def _write_through(self, device_cache: PrefixCache) -> None:
         cache = self._cache
-        for d, h in self._wt_ready:
-            if device_cache.get(h) == d and cache.get(h) is None:
-                parent, toks = device_cache.content_of(d)
-                self._store(d, h, parent, toks)
+        self._store([(d, h, device_cache.content_of(d)) for d, h in self._wt_ready
+                     if device_cache.get(h) == d and cache.get(h) is None])
         self._wt_ready, self._wt_new = self._wt_new, []
 
     def forget_published(self, device_blocks: Sequence[int]) -> None:
