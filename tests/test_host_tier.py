@@ -121,6 +121,17 @@ def test_write_through_copies_blocks_out_one_drain_after_publishing():
     m.check_invariants()
 
 
+def test_write_policy_none_keeps_the_host_for_swaps_only():
+    m = make(host_write_policy="none")
+    fill_and_evict(m)
+    m.add_sequence("b", toks(100, 20))  # evicts 2 and 1: forgotten, as without a tier
+    assert m.take_transfers() == []
+    assert m.usage().host_cached_blocks == 0 and m.lookup(toks(0, 13)).host == 0
+    m.swap_out("b")  # the host still takes swapped-out sequences
+    assert [t.direction for t in m.take_transfers()] == ["to_host"] * 5
+    m.check_invariants()
+
+
 def test_offload_is_best_effort_when_the_host_is_held():
     """Host blocks pinned by pending transfers are never evicted; with none to spare, an evicted
     device block is simply forgotten."""

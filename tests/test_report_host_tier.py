@@ -153,10 +153,13 @@ def test_azure_reports_no_hit_rate(offload):
 def test_serving_table_modes(offload):
     t = offload.tables[2]
     assert t.column("mode") == ["recompute, no host tier", "offload, per-layer", "offload, 1 copy/block",
-                                "swap, per-layer", "swap, 1 copy/block"]
+                                "swap, per-layer", "swap, 1 copy/block",
+                                "swap only (no offload), 1 copy/block"]
     swap_outs = t.column("swap-outs")
     assert swap_outs[:3] == [0, 0, 0]  # only the swap modes swap
     assert t.column("GiB to host")[0] == 0 and t.column("transfer wait s")[0] == 0
+    only = offload.data["serving"]["swap only (no offload), 1 copy/block"]
+    assert only["bytes_to_host"] <= offload.data["serving"]["swap, 1 copy/block"]["bytes_to_host"]
     for label, row in offload.data["serving"].items():
         assert row["completed"] and row["finished"] == host_offload.SERVE_REQUESTS[True], label
         if label.startswith("swap"):

@@ -31,7 +31,9 @@ from .types import TO_DEVICE, TO_HOST, OutOfBlocks, Transfer
 
 __all__ = ["HostTier", "WRITE_POLICIES"]
 
-WRITE_POLICIES = ("write-back", "write-through")
+# write-back: copy a block out when the device evicts it; write-through: once it is computed;
+# none: never offload (the host tier only holds swapped-out sequences, vLLM v0's swap space).
+WRITE_POLICIES = ("write-back", "write-through", "none")
 
 
 class HostTier:

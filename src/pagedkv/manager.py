@@ -138,6 +138,11 @@ class KVCacheManager:
             needs xxhash), ``"builtin"`` (fastest, keyed per process).
         enable_events: record KV cache events for ``take_events()``. An engine that never
             drains them should turn this off, or they accumulate.
+        host_blocks: blocks of a host-memory tier (0: none). It keeps what the device evicts,
+            serves prefix hits from host memory and holds swapped-out sequences.
+        host_write_policy: when a device block is copied to the host: ``"write-back"`` (when
+            the device evicts it), ``"write-through"`` (once it is computed) or ``"none"``
+            (never: the host tier only holds swapped-out sequences).
 
     The engine's loop, and the rules it follows:
 
@@ -213,7 +218,7 @@ class KVCacheManager:
         # from host memory, holds swapped-out sequences. None costs the hot paths nothing.
         self._tier = (HostTier(host_blocks, block_size, self._log, host_write_policy, enable_prefix_caching)
                       if tiered else None)
-        if self._tier is not None and self._cache is not None:
+        if self._tier is not None and self._cache is not None and host_write_policy != "none":
             self._pool.on_evict_many = self._offload_evicted
         self._write_through = tiered and enable_prefix_caching and host_write_policy == "write-through"
         self._swapped = 0

@@ -327,6 +327,8 @@ def _modes(opts: ReportOptions, blocks: int) -> list[tuple[str, dict]]:
         ("offload, 1 copy/block", {"host_blocks": host, "copies_per_block": 1}),
         ("swap, per-layer", {"host_blocks": host, "preemption": "swap"}),
         ("swap, 1 copy/block", {"host_blocks": host, "preemption": "swap", "copies_per_block": 1}),
+        ("swap only (no offload), 1 copy/block",
+         {"host_blocks": host, "preemption": "swap", "copies_per_block": 1, "write_policy": "none"}),
     ]
 
 
@@ -351,8 +353,9 @@ def _serve_table(opts: ReportOptions, path: Path, cost: CostModel) -> tuple[Tabl
     )
     data = {}
     clipped = 0
-    for k, (label, kw) in enumerate(_modes(opts, blocks), 1):
-        opts.note(f"{KEY}: serving {k}/5 ({label})")
+    modes = _modes(opts, blocks)
+    for k, (label, kw) in enumerate(modes, 1):
+        opts.note(f"{KEY}: serving {k}/{len(modes)} ({label})")
         res, alloc = _serve_one(reqs, blocks, opts, cost, kw)
         st = alloc.stats
         lat = tail_latency(res, (50, 90))
@@ -373,7 +376,8 @@ def _serve_table(opts: ReportOptions, path: Path, cost: CostModel) -> tuple[Tabl
         "the device pool, write-back. Offload: recompute preemption, a readmitted victim loads what "
         "the device offloaded (the trace has no shared content, so nothing else hits). Swap: the "
         "victim's private blocks go to the host and come back before new admissions; a victim "
-        "admitted in the same step is recomputed.")
+        "admitted in the same step is recomputed. Swap only: the same with host_write_policy "
+        "'none' (vLLM v0's swap space): evicted prefixes are forgotten, not offloaded.")
     t.notes.append(
         "Transfer wait: what steps waited for loads, swap-outs and offloads beyond their compute "
         "(pagedkv.sim.tiered's model); link 64 GB/s, 10 us per copy. Preemptions differ between "
