@@ -27,6 +27,7 @@ SECTIONS: dict[str, str] = {
     "prefix_hits": "prefix_hits",
     "chunked_spec": "chunked_spec",
     "livelock": "livelock",
+    "fleet": "fleet",
 }
 
 
