@@ -199,6 +199,29 @@ def test_fleet_results_do_not_depend_on_the_order_replicas_are_advanced(router):
     assert np.array_equal(a.busy_s, b.busy_s) and a.router_stats == b.router_stats
 
 
+def test_precise_index_equals_what_every_replica_caches_at_every_decision():
+    pytest.importorskip("msgspec")
+    from pagedkv.sim.routers import PrefixAwareRouter, prompt_array
+
+    reqs = workload(n=70, spread=1.5, stems=5)
+    prompts = {r.req_id: prompt_array(r) for r in reqs}
+    order = sorted(reqs, key=lambda r: r.arrival)
+    checked = []
+
+    def observe(i, replicas, router):
+        seen = [prompts[r.req_id] for r in order[: i + 1]]
+        for tokens in seen[-12:]:  # the next request and recent ones: what routing depends on
+            match = router.match_blocks(tokens)
+            assert [b * 16 for b in match] == [rep.alloc.m.lookup(tokens).device for rep in replicas]
+        checked.append(i)
+
+    router = PrefixAwareRouter(block_size=16, cache_threshold=0.0)
+    res = run_fleet(reqs, router, 3, 70, max_len=4000, observer=observe)
+    assert checked == list(range(71))
+    assert sum(r.usage.evictions for r in res.replicas) > 0 and res.event_bytes > 0
+    assert res.router_stats["affinity"] > 0
+
+
 def test_fleet_metrics_are_what_the_replicas_measured():
     reqs = workload(n=80, spread=2.0)
     res = run_fleet(reqs, RoundRobin(), 4, 200, max_len=4000, key_tokens=40)

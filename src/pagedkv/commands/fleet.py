@@ -64,18 +64,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vnodes", type=int, default=DEFAULT_VNODES,
                    help=f"ring: virtual nodes per replica (default {DEFAULT_VNODES})")
     p.add_argument("--eps", type=float, default=DEFAULT_EPS,
-                   help=f"ring-bounded: a replica's cap is ceil((1 + eps) x average in flight) (default {DEFAULT_EPS})")
+                   help=f"ring-bounded: a replica's cap is ceil((1 + eps) x average in flight) "
+                        f"(default {DEFAULT_EPS})")
     p.add_argument("--key-tokens", type=int, default=DEFAULT_KEY_TOKENS,
                    help="ring: hash the prompt's first N tokens; also what counts as one prefix in the "
                         f"replicas-per-prefix column (default {DEFAULT_KEY_TOKENS:,})")
     p.add_argument("--ring-seed", type=int, default=0, help="ring: seed of the virtual nodes' positions")
     p.add_argument("--cache-threshold", type=float, default=SGLANG_CACHE_THRESHOLD,
                    help="precise: follow the longest cached prefix only above this share of the prompt "
-                        f"(SGLang's default {SGLANG_CACHE_THRESHOLD})")
+                        f"(default {SGLANG_CACHE_THRESHOLD}, the value in SGLang's router docs)")
     p.add_argument("--balance-abs", type=int, default=SGLANG_BALANCE_ABS,
-                   help=f"precise: load guard's absolute gap (SGLang's default {SGLANG_BALANCE_ABS})")
+                   help=f"precise: the load guard's absolute gap (default {SGLANG_BALANCE_ABS}, the value "
+                        "in SGLang's router docs)")
     p.add_argument("--balance-rel", type=float, default=SGLANG_BALANCE_REL,
-                   help=f"precise: load guard's ratio (SGLang's default {SGLANG_BALANCE_REL})")
+                   help=f"precise: the load guard's ratio (default {SGLANG_BALANCE_REL}, the value in "
+                        "SGLang's router docs)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--hash-algo", default="sha256", choices=HASH_ALGOS, help="block hashes (default sha256)")
     p.add_argument("--max-len", type=int, default=DEFAULT_MAX_LEN,
@@ -213,7 +216,8 @@ def _table(args: argparse.Namespace, results: list, n: int, fmt: str, num_blocks
     for res in results:
         extra = f"; {res.event_bytes / 1e6:,.1f} MB of KV events decoded" if res.event_bytes else ""
         stats = ", ".join(f"{k} {v:,}" for k, v in sorted(res.router_stats.items()))
-        t.notes.append(f"{res.router}" + (f": {stats}" if stats else "") + extra)
+        if stats or extra or res.router != res.router.split(" ")[0]:
+            t.notes.append(f"{res.router}" + (f": {stats}" if stats else "") + extra)
     t.notes.append("hit % = prompt tokens served from the replicas' prefix caches / prompt tokens asked for; "
                    "imbalance = max / mean of the replicas' busy seconds; replicas/prefix: distinct replicas "
                    f"that the requests sharing their first {args.key_tokens:,} tokens went to (prefixes used "

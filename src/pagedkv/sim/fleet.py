@@ -27,9 +27,10 @@ makespan), and how many replicas each prefix landed on (prefix: :func:`~pagedkv.
 Speed: replicas run with ``record_steps=False`` and ``coalesce=True`` (decode-only stretches in
 one call, with the same clock as iteration by iteration; see ``Server``) on a
 :class:`ReplicaAllocator`, whose decode step appends through ``append_token`` after one
-capacity check instead of building a numpy batch: the 12,031 requests of the Mooncake
-conversation trace on 16 replicas take well under two minutes on two cores (measured in the
-``fleet`` report section and the CLI's ``--timing``).
+capacity check instead of building a numpy batch. Iteration by iteration, the Mooncake trace's
+4.1 million decoded tokens on 16 replicas would cost millions of scheduler turns; coalesced,
+the cost is dominated by hashing prompts and, for the precise router, by encoding and decoding
+their events (``benchmarks/fleet_scale.py`` measures it against replicas and trace length).
 """
 from __future__ import annotations
 
@@ -325,13 +326,17 @@ def run_fleet(requests: Sequence[Request], router: Router, replicas: int, num_bl
               block_size: int = 16, cost: CostModel | None = None, hash_algo: str = "sha256",
               max_len: int = 2048, max_num_seqs: int = 256, guards: Guards | None = None,
               key_tokens: int = DEFAULT_KEY_TOKENS, advance_order: Sequence[int] | None = None,
-              progress: Callable[[int, int], None] | None = None) -> FleetResult:
+              progress: Callable[[int, int], None] | None = None,
+              observer: Callable[[int, list[Replica], Router], None] | None = None) -> FleetResult:
     """Serve ``requests`` on ``replicas`` replicas of ``num_blocks`` blocks each behind ``router``.
 
     ``key_tokens`` defines "the same prefix" for :meth:`FleetResult.replicas_per_prefix`.
     ``advance_order`` is the order in which replicas are advanced and drained at each arrival
     (default 0..n-1; any permutation gives the same result). ``progress(done, total)`` is called
-    every 1,000 requests. Raises ``ValueError`` for bad arguments and
+    every 1,000 requests. ``observer(i, replicas, router)`` sees the fleet just before request
+    ``i`` (arrival order) is routed, the replicas advanced and their events delivered, and once
+    more with ``i = len(requests)`` after the last replica drained (a test's window on both
+    sides of the wire). Raises ``ValueError`` for bad arguments and
     :class:`~pagedkv.sim.scheduler.Livelock` when a replica stops making progress.
     """
     names = replica_names(replicas)
@@ -354,15 +359,22 @@ def run_fleet(requests: Sequence[Request], router: Router, replicas: int, num_bl
     keys = np.empty(len(reqs), dtype=np.uint64)
     event_bytes = 0
     wall = time.perf_counter()
+    def deliver() -> int:
+        sent = 0
+        for j in order:
+            payload = fleet[j].take_payload()
+            if payload is not None:
+                sent += len(payload)
+                router.on_events(j, payload)
+        return sent
+
     for i, req in enumerate(reqs):
         for j in order:
             servers[j].advance_to(req.arrival)
         if router.wants_events:
-            for j in order:
-                payload = fleet[j].take_payload()
-                if payload is not None:
-                    event_bytes += len(payload)
-                    router.on_events(j, payload)
+            event_bytes += deliver()
+        if observer is not None:
+            observer(i, fleet, router)
         target = router.route(req, [s.load for s in servers])
         servers[target].submit(req)
         assignment[i] = target
@@ -371,6 +383,10 @@ def run_fleet(requests: Sequence[Request], router: Router, replicas: int, num_bl
             progress(i + 1, len(reqs))
     for j in order:
         servers[j].drain()
+    if router.wants_events:
+        event_bytes += deliver()
+    if observer is not None:
+        observer(len(reqs), fleet, router)
     return FleetResult(
         router=router.describe(), names=names, replicas=[s.result() for s in servers], assignment=assignment,
         keys=keys, busy_s=np.array([s.busy_s for s in servers]),

@@ -18,11 +18,11 @@ recomputes its history on most of them. Five policies, one class each:
   scorer, NVIDIA Dynamo's KV router and the SGLang router: an index of which replica holds which
   block, fed *only* by the replicas' KV events as vLLM puts them on the wire
   (:func:`pagedkv.events.decode_vllm`). Its policy is the SGLang router's cache-aware one
-  (the rule is documented in sgl-router's src/policies/cache_aware.rs; the defaults in SGLang's
-  docs/advanced_features/router.md, ``--cache-threshold 0.5 --balance-abs-threshold 32
-  --balance-rel-threshold 1.5``): when ``max(load) - min(load) > balance_abs`` and
-  ``max(load) > balance_rel * min(load)`` the load guard sends the request to the least-loaded
-  replica; otherwise, when the longest cached run of its leading blocks covers more than
+  (the rule is documented in sgl-router's src/policies/cache_aware.rs; the thresholds are the
+  values SGLang's router documentation, docs/advanced_features/router.md, gives:
+  ``--cache-threshold 0.5 --balance-abs-threshold 32 --balance-rel-threshold 1.5``): when
+  ``max(load) - min(load) > balance_abs`` and ``max(load) > balance_rel * min(load)`` the load
+  guard sends the request to the least-loaded replica; otherwise, when the longest cached run of its leading blocks covers more than
   ``cache_threshold`` of the prompt, to the replica holding it (ties: least loaded), and else
   to the least-loaded replica (SGLang: the one with the smallest tree, then least loaded).
   Without the threshold, a prompt whose only cached part is a system prompt that few replicas
@@ -72,9 +72,9 @@ ROUTERS = ("round-robin", "least-loaded", "ring", "ring-bounded", "precise")
 DEFAULT_KEY_TOKENS = 1024  # the ring's key: the prompt's first 1,024 tokens (64 blocks of 16)
 DEFAULT_VNODES = 100
 DEFAULT_EPS = 0.25  # bounded loads' slack: HAProxy's and Vimeo's 1.25 load factor
-SGLANG_BALANCE_ABS = 32  # SGLang router: --balance-abs-threshold (documented default)
-SGLANG_BALANCE_REL = 1.5  # SGLang router: --balance-rel-threshold (documented default)
-SGLANG_CACHE_THRESHOLD = 0.5  # SGLang router: --cache-threshold (documented default)
+SGLANG_BALANCE_ABS = 32  # SGLang router docs: --balance-abs-threshold 32
+SGLANG_BALANCE_REL = 1.5  # SGLang router docs: --balance-rel-threshold 1.5
+SGLANG_CACHE_THRESHOLD = 0.5  # SGLang router docs: --cache-threshold 0.5
 
 _U64 = (1 << 64) - 1
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

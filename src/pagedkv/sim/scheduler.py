@@ -376,7 +376,7 @@ class _ReqStat:
 
 
 class _Run:
-    """The state of one simulation; :func:`simulate` is its only user."""
+    """The state of one simulation; :class:`Server` (and through it :func:`simulate`) is its only user."""
 
     def __init__(self, alloc: KVAllocator, cost: CostModel, max_num_seqs: int, guards: Guards,
                  reqs: list[Request], record: bool = True) -> None:
