@@ -7,6 +7,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedkv.cli import main
 from pagedkv.report import SECTIONS, ReportOptions
@@ -140,6 +142,22 @@ def test_coalesced_stretches_keep_every_time_exact(blocks):
     assert (plain.preemptions, plain.makespan, plain.usage.prefix_hit_tokens) == \
            (fast.preemptions, fast.makespan, fast.usage.prefix_hit_tokens)
     assert len(fast.steps) == 0 and s.iterations > 0
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 40), st.integers(0, 60), st.floats(0, 2)),
+                min_size=1, max_size=12),
+       st.integers(8, 60))
+def test_coalescing_never_changes_a_time(specs, blocks):
+    """Any small workload, any cache (preemptions included): coalesced stretches give the same
+    first-token and finish times, to the bit, as iteration by iteration."""
+    reqs = [Request(f"h{i}", t, ((stem, 16), (500 + i, own)), out)
+            for i, (stem, own, out, t) in enumerate(specs)]
+    if max(r.total_len for r in reqs) > blocks * 16:
+        blocks = -(-max(r.total_len for r in reqs) // 16)
+    _, plain = serve(reqs, ReplicaAllocator(blocks, 16, watermark=0.0), record_steps=False)
+    _, fast = serve(reqs, ReplicaAllocator(blocks, 16, watermark=0.0), record_steps=False, coalesce=True)
+    assert same_log(plain, fast) and plain.preemptions == fast.preemptions
 
 
 def test_coalesced_iterations_are_counted_one_by_one():
