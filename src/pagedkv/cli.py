@@ -1,4 +1,4 @@
-"""The ``pagedkv`` command: ``report | simulate | size | bench``.
+"""The ``pagedkv`` command: ``report | simulate | size | bench | fleet``.
 
 Each subcommand lives in :mod:`pagedkv.commands` as ``add_arguments(parser)`` and ``run(args)``;
 this module only wires them to argparse. Every usage error, argparse's own included, is one line
@@ -21,6 +21,7 @@ COMMANDS = {
     "simulate": "run a workload through the serving scheduler on paged or reserved memory",
     "size": "KV bytes per token and how many blocks fit, for a model and a GPU",
     "bench": "time the allocator's hot paths (medians against the design targets)",
+    "fleet": "route a real trace across replicas: round-robin, least-loaded, hash ring, precise",
 }
 INTERRUPTED_EXIT = 130
 

@@ -29,6 +29,7 @@ SECTIONS: dict[str, str] = {
     "livelock": "livelock",
     "swap_vs_recompute": "swap_recompute",
     "host_offload": "host_offload",
+    "fleet": "fleet",
 }
 
 

@@ -67,7 +67,7 @@ from .costmodel import CostModel
 from .request import Request
 
 __all__ = ["StepLog", "SimResult", "RequestLog", "Guards", "GUARD_NAMES", "GUARD_PRESETS", "Livelock", "simulate",
-           "clip_request", "check_fits", "freeable_blocks", "Progress"]
+           "clip_request", "check_fits", "freeable_blocks", "Progress", "Server"]
 
 GUARD_NAMES = ("newest_first", "no_admit_after_preempt", "fit_check", "skip_unfreeing", "watermark")
 DEFAULT_WATERMARK = 0.05  # what Guards.all_on() keeps free: the top of vLLM PR #44594's 0.02-0.05
@@ -380,15 +380,16 @@ class _ReqStat:
 
 
 class _Run:
-    """The state of one simulation; :func:`simulate` is its only user."""
+    """The state of one simulation; :class:`Server` (and through it :func:`simulate`) is its only user."""
 
     def __init__(self, alloc: KVAllocator, cost: CostModel, max_num_seqs: int, guards: Guards,
-                 reqs: list[Request]) -> None:
+                 reqs: list[Request], record: bool = True) -> None:
         self.alloc, self.cost, self.max_num_seqs, self.guards = alloc, cost, max_num_seqs, guards
         self.waiting: deque = deque()  # [request, generated]
         self.running: dict[str, list] = {}  # req_id -> [request, generated], admission order
         self.running_seqs = 0
         self.rec = _Recorder()
+        self.record = record  # False: no StepLog rows, and no allocator snapshot per iteration
         self.t = 0.0
         self.finished = self.dropped = self.preemptions = 0
         self.futile = self.skipped = self.recomputed = self.discarded = 0
@@ -579,13 +580,14 @@ class _Run:
         prefill, blocked = self.admit()
         tokens = self.decode()
         batch = tokens  # one token per decoded sequence
-        bd, logical, saved = self.alloc.observe(blocked)
         kv = self.alloc.kv_tokens
         dt = self.cost.step_time(kv if tokens else 0, prefill, decoding=tokens > 0)
         if self.transfer_s is not None:  # what the step waits for its block transfers
             dt += self.transfer_s(dt)
-        self.rec.add(self.t, dt, batch, len(self.running), tokens, prefill, kv, bool(self.waiting),
-                     blocked is not None, False, bd.as_tuple(), logical, saved)
+        if self.record:
+            bd, logical, saved = self.alloc.observe(blocked)
+            self.rec.add(self.t, dt, batch, len(self.running), tokens, prefill, kv, bool(self.waiting),
+                         blocked is not None, False, bd.as_tuple(), logical, saved)
         self.t += dt
         if tokens:
             done = []
@@ -606,8 +608,10 @@ class _Run:
         self.just_finished.clear()
 
     def idle_until(self, t_next: float) -> None:
-        bd, logical, saved = self.alloc.observe(None)
-        self.rec.add(self.t, t_next - self.t, 0, 0, 0, 0, 0, False, False, True, bd.as_tuple(), logical, saved)
+        if self.record:
+            bd, logical, saved = self.alloc.observe(None)
+            self.rec.add(self.t, t_next - self.t, 0, 0, 0, 0, 0, False, False, True, bd.as_tuple(), logical,
+                         saved)
         self.t = t_next
 
     # ---- reporting
@@ -626,6 +630,212 @@ class _Run:
                 f"{len(self.running):,} running, {len(self.waiting):,} waiting, {pending:,} not yet "
                 f"arrived{head}; {self.preemptions:,} preemptions ({self.futile:,} futile), most "
                 f"of {worst[0]} ({worst[1].preemptions:,}); {self.recomputed:,} tokens recomputed")
+
+
+class Server:
+    """One replica's serving loop, advanced from outside: :func:`simulate` runs one to its end, a
+    fleet keeps many on one simulated clock.
+
+    A fleet's router decides at each request's arrival from the replicas' state at that moment,
+    so every replica must have run exactly the iterations that started before it. A *turn* is one
+    pass of the loop in the module docstring: the requests that have arrived by ``clock`` join
+    the queue, then one iteration runs (admit, decode, finish) or, with nothing to do, the clock
+    jumps to the next arrival.
+
+    - ``submit(request)``: the request joins this replica (clipped to ``max_len``; with the fit
+      guard, refused with ``ValueError`` when it could never fit). It is queued by the first
+      turn that starts at or after its ``arrival``. Requests are submitted in arrival order.
+    - ``step()``: one turn; False when nothing is left to do.
+    - ``advance_to(t)``: every turn that starts before ``t``. An idle replica does not jump
+      past ``t``, so a request submitted at ``t`` is admitted by the turn at ``t``, exactly as
+      :func:`simulate` would admit it.
+    - ``drain()``: turns until every submitted request finished or was dropped.
+    - ``clock`` (simulated seconds), ``load`` (requests submitted and neither finished nor
+      dropped: what a router balances), ``busy_s`` (seconds spent in iterations),
+      ``iterations``, ``result()`` (the :class:`SimResult` so far).
+
+    Worked example: an iteration runs from t = 0.99 to 1.01 and a request arrives at t = 1.0:
+    ``advance_to(1.0)`` runs that iteration (it started before 1.0), ``clock`` is then 1.01, and
+    the new request is admitted by the iteration that starts at 1.01.
+
+    ``advance_to`` and ``drain`` raise :class:`Livelock` when no request progressed for
+    ``stall_limit`` iterations (default: twice the longest output submitted, plus 64).
+
+    ``record_steps=False`` keeps no :class:`StepLog` (``result().steps`` is empty) and skips the
+    allocator's memory snapshot each iteration, which a fleet does not read. ``coalesce=True``
+    (it needs ``record_steps=False`` and an allocator with ``max_steps(req_ids, limit)``, the
+    decode steps memory allows, and ``step_n(req_ids, n)``, such as
+    :class:`~pagedkv.sim.fleet.ReplicaAllocator`) runs a stretch of decode-only iterations (no
+    request waiting, single-sequence requests, none finishing before its last iteration, none
+    arriving, enough free blocks) in one call: the clock adds the same per-iteration durations in
+    the same order, so first-token and finish times are the same floats as iteration by
+    iteration, and each sequence gets its tokens in one append.
+    """
+
+    def __init__(self, allocator: KVAllocator, cost: CostModel | None = None, *, max_len: int = 2048,
+                 max_num_seqs: int = 256, guards: Guards | None = None, stall_limit: int | None = None,
+                 record_steps: bool = True, coalesce: bool = False) -> None:
+        if not isinstance(allocator, KVAllocator):
+            raise ValueError(f"allocator must be a KVAllocator, got {type(allocator).__name__}")
+        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be a positive int, got {max_num_seqs!r}")
+        guards = Guards() if guards is None else guards
+        if not isinstance(guards, Guards):
+            raise ValueError(f"guards must be a Guards, got {type(guards).__name__}")
+        if stall_limit is not None and (not isinstance(stall_limit, int) or stall_limit < 1):
+            raise ValueError(f"stall_limit must be a positive int, got {stall_limit!r}")
+        if coalesce and (record_steps or not all(hasattr(allocator, f) for f in ("max_steps", "step_n"))):
+            raise ValueError("coalesce=True needs record_steps=False and an allocator with max_steps and step_n")
+        self.allocator, self.max_len, self.guards = allocator, max_len, guards
+        self._run = _Run(allocator, cost or CostModel(), max_num_seqs, guards, [], record=record_steps)
+        self._pending: deque = deque()  # submitted, not yet arrived by the clock
+        self._requests: list[Request] = []  # as submitted (clipped)
+        self._submitted: set[str] = set()
+        self._stall_limit = stall_limit
+        self._longest_output = 0
+        self._last_arrival = -math.inf
+        self._horizon = math.inf  # advance_to's target: a coalesced stretch stops there
+        self._coalesce = coalesce
+        self.clipped = self.stalled = self.iterations = 0
+        self.busy_s = 0.0
+
+    # ---- state a router reads
+
+    @property
+    def clock(self) -> float:
+        return self._run.t
+
+    @property
+    def load(self) -> int:
+        run = self._run
+        return len(run.running) + len(run.waiting) + len(self._pending)
+
+    @property
+    def stall_limit(self) -> int:
+        return self._stall_limit or 2 * self._longest_output + 64
+
+    # ---- driving
+
+    def submit(self, request: Request) -> None:
+        if not isinstance(request, Request):
+            raise ValueError(f"requests must be Request objects, got {type(request).__name__}")
+        if request.req_id in self._submitted:
+            raise ValueError(f"request {request.req_id} was already submitted (ids must be unique)")
+        if request.arrival < self._last_arrival:
+            raise ValueError(f"request {request.req_id} arrives at {request.arrival} s, before the last one "
+                             f"submitted ({self._last_arrival} s): submit in arrival order")
+        fitted = clip_request(request, self.max_len)
+        if self.guards.fit_check:
+            check_fits([fitted], self.allocator, self.max_len)
+        self.clipped += fitted is not request
+        self._submitted.add(fitted.req_id)
+        self._run.stats[fitted.req_id] = _ReqStat(fitted.arrival)
+        self._requests.append(fitted)
+        self._pending.append(fitted)
+        self._longest_output = max(self._longest_output, fitted.output_len)
+        self._last_arrival = fitted.arrival
+
+    def step(self) -> bool:
+        """One turn (see the class docstring); False when nothing is left to do."""
+        run, pending = self._run, self._pending
+        while pending and pending[0].arrival <= run.t:
+            run.waiting.append([pending.popleft(), 0])
+        if not run.running and not run.waiting:
+            if not pending:
+                return False
+            run.idle_until(pending[0].arrival)
+            return True
+        t0 = run.t
+        if not (self._coalesce and self._coast()):
+            run.progressed = False
+            run.iterate()
+            self.iterations += 1
+            self.stalled = 0 if run.progressed else self.stalled + 1
+        self.busy_s += run.t - t0
+        return True
+
+    def advance_to(self, t: float) -> None:
+        """Run every turn that starts before ``t``."""
+        run, pending = self._run, self._pending
+        self._horizon = t
+        try:
+            while run.t < t and (run.running or run.waiting or (pending and pending[0].arrival < t)):
+                self.step()
+                self._check_stall()
+        finally:
+            self._horizon = math.inf
+
+    def drain(self) -> None:
+        """Run until every submitted request finished or was dropped."""
+        while self.step():
+            self._check_stall()
+
+    def _check_stall(self) -> None:
+        if self.stalled >= self.stall_limit:
+            run = self._run
+            msg = run.stall_report(self.stalled, self.iterations, len(self._pending), len(self._requests))
+            raise Livelock(msg, self.result(livelock=msg))
+
+    def _coast(self) -> bool:
+        """Run the decode-only iterations before the next event in one go (see the class
+        docstring); False when there is no such stretch (an ordinary iteration runs instead)."""
+        run = self._run
+        if run.waiting or not run.running:
+            return False
+        limit = math.inf
+        for req, gen in run.running.values():
+            if req.num_seqs != 1:
+                return False
+            limit = min(limit, req.output_len - gen)
+        ids = list(run.running)
+        n = self.allocator.max_steps(ids, limit)
+        if n < 1:
+            return False  # memory runs out at once: the ordinary iteration preempts
+        horizon = min(self._horizon, self._pending[0].arrival if self._pending else math.inf)
+        alloc, cost, t, steps = self.allocator, run.cost, run.t, 0
+        kv, batch, first = alloc.kv_tokens, len(ids), math.nan
+        while steps < n and t < horizon:  # the same durations, added in the same order
+            kv += batch
+            t += cost.step_time(kv, 0, decoding=True)
+            steps += 1
+            if steps == 1:
+                first = t
+        alloc.step_n(ids, steps)
+        run.just_preempted = False  # what admit() does when nothing waits
+        done = []
+        for rid, st in run.running.items():
+            st[1] += steps
+            stat = run.stats[rid]
+            if stat.first != stat.first:  # NaN: its first token
+                stat.first = first
+            stat.best = max(stat.best, st[1])  # a single sequence progresses at every step
+            if st[1] >= st[0].output_len:
+                done.append(rid)
+        run.t = t
+        for rid in done:
+            run.finish(rid)
+        for rid in run.just_finished:
+            run.stats[rid].finish = t
+        run.just_finished.clear()
+        self.iterations += steps
+        self.stalled = 0
+        return True
+
+    def result(self, livelock: str | None = None, wall_s: float = 0.0,
+               requests: list[Request] | None = None) -> SimResult:
+        """The run so far; ``requests`` orders its :class:`RequestLog` (default: as submitted)."""
+        run, alloc = self._run, self.allocator
+        reqs = self._requests if requests is None else requests
+        return SimResult(
+            allocator=alloc.name, capacity=alloc.capacity, block_size=getattr(alloc, "block_size", 1),
+            steps=run.rec.log(), num_requests=len(reqs), finished=run.finished, dropped=run.dropped,
+            clipped=self.clipped, preemptions=run.preemptions, output_tokens=run.output_tokens,
+            prompt_tokens=run.prompt_tokens, makespan=run.t, usage=alloc.usage(),
+            copies=getattr(alloc, "copies", 0), wall_s=wall_s, guards=self.guards, livelock=livelock,
+            futile_preemptions=run.futile, skipped_victims=run.skipped, recomputed_tokens=run.recomputed,
+            discarded_tokens=run.discarded, dropped_ids=tuple(run.dropped_ids),
+            requests=run.request_log(reqs),
+        )
 
 
 def simulate(requests: Iterable[Request], allocator: KVAllocator, cost: CostModel | None = None, *,
@@ -662,45 +872,28 @@ def simulate(requests: Iterable[Request], allocator: KVAllocator, cost: CostMode
     fitted = [clip_request(r, max_len) for r in reqs]
     if guards.fit_check:
         check_fits(fitted, allocator, max_len)
-    clipped = sum(f is not r for f, r in zip(fitted, reqs))
-    pending = deque(sorted(fitted, key=lambda r: r.arrival))
-    run = _Run(allocator, cost or CostModel(), max_num_seqs, guards, fitted)
+    server = Server(allocator, cost, max_len=max_len, max_num_seqs=max_num_seqs, guards=guards,
+                    stall_limit=stall_limit)
+    run = server._run
+    run.stats.update(dict.fromkeys(r.req_id for r in fitted))  # input order: stall_report's tie-break
+    for r in sorted(reqs, key=lambda r: r.arrival):
+        server.submit(r)
     bar = Progress(len(reqs), allocator.name, enabled=progress)
     limit = max_iterations or 4 * sum(r.total_len * r.num_seqs for r in fitted) + 2 * len(fitted) + 10
-    stall_limit = stall_limit or 2 * max((r.output_len for r in fitted), default=0) + 64
-    stalled = 0
     livelock = None
     wall = time.perf_counter()
     for it in range(limit):
-        while pending and pending[0].arrival <= run.t:
-            run.waiting.append([pending.popleft(), 0])
-        if not run.running and not run.waiting:
-            if not pending:
-                break
-            run.idle_until(pending[0].arrival)
-            continue
-        run.progressed = False
-        run.iterate()
-        stalled = 0 if run.progressed else stalled + 1
-        if stalled >= stall_limit:
-            livelock = run.stall_report(stalled, it + 1, len(pending), len(reqs))
+        if not server.step():
+            break
+        if server.stalled >= server.stall_limit:
+            livelock = run.stall_report(server.stalled, it + 1, len(server._pending), len(reqs))
             break
         bar.update(run.finished + run.dropped, f"t={run.t:.1f}s batch={run.running_seqs}")
     else:
         livelock = (f"did not finish within {limit:,} iterations (max_iterations); "
                     f"{run.finished:,} of {len(reqs):,} finished, {run.preemptions:,} preemptions")
     bar.close(run.finished + run.dropped, f"t={run.t:.1f}s")
-    result = SimResult(
-        allocator=allocator.name, capacity=allocator.capacity,
-        block_size=getattr(allocator, "block_size", 1), steps=run.rec.log(), num_requests=len(reqs),
-        finished=run.finished, dropped=run.dropped, clipped=clipped, preemptions=run.preemptions,
-        output_tokens=run.output_tokens, prompt_tokens=run.prompt_tokens, makespan=run.t,
-        usage=allocator.usage(), copies=getattr(allocator, "copies", 0),
-        wall_s=time.perf_counter() - wall, guards=guards, livelock=livelock,
-        futile_preemptions=run.futile, skipped_victims=run.skipped, recomputed_tokens=run.recomputed,
-        discarded_tokens=run.discarded, dropped_ids=tuple(run.dropped_ids),
-        requests=run.request_log(fitted),
-    )
+    result = server.result(livelock, time.perf_counter() - wall, fitted)
     if livelock is not None and on_livelock == "raise":
         raise Livelock(livelock, result)
     return result

@@ -1,0 +1,258 @@
+"""``pagedkv fleet``: route a real trace across replicas and compare the routers.
+
+Examples::
+
+    pagedkv fleet                                  # Mooncake trace, first 2,000 requests, 16 replicas
+    pagedkv fleet --num-requests all --router precise
+    pagedkv fleet --router ring-bounded --eps 0.1 --vnodes 1000
+    pagedkv fleet azure-conv-trace --router least-loaded --replicas 4
+
+Each replica is a real KVCacheManager behind the serving scheduler and the bandwidth cost model
+(H100 and Llama-3.1-8B by default, like ``pagedkv simulate``); the replicas advance together in
+simulated time and the router decides at each request's arrival. Routers: round-robin,
+least-loaded, ring (consistent hashing of the prompt's first ``--key-tokens`` tokens with
+``--vnodes`` virtual nodes per replica), ring-bounded (the same with bounded loads: a replica
+takes a request only under ceil((1 + eps) x average) requests in flight), and precise (an index
+of every replica's cached blocks built only from their KV events, sent as vLLM's wire format, with
+the SGLang router's cache threshold and load guard). ``all`` runs each in turn.
+
+The Mooncake conversation trace carries content hashes, so routing changes the prefix hit rate.
+The Azure traces carry none (every prompt is unique): they show load balancing only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..sim import sizing
+from ..sim.costmodel import H100_BF16_FLOPS, H100_HBM_BYTES_PER_S, CostModel
+from ..sim.routers import (DEFAULT_EPS, DEFAULT_KEY_TOKENS, DEFAULT_VNODES, ROUTERS, SGLANG_BALANCE_ABS,
+                           SGLANG_BALANCE_REL, SGLANG_CACHE_THRESHOLD, make_router)
+from ..tables import Table
+from . import UsageError, check_data_dir, check_int, check_model, check_number, check_out_file, reports_errors
+from .simulate import MAX_BLOCKS, MAX_LEN, SHIPPED_TRACES
+
+__all__ = ["add_arguments", "run", "MAX_REPLICAS", "DEFAULT_REQUESTS"]
+
+MAX_REPLICAS = 1024
+MAX_VNODES = 100_000
+DEFAULT_REQUESTS = 2_000  # about 11 minutes of the hour-long Mooncake trace
+DEFAULT_MAX_LEN = 131_072  # Llama-3.1's context; the longest Mooncake request is 128,195 tokens
+HASH_ALGOS = ("sha256", "xxh3", "builtin")
+
+
+def _count_or_all(text: str) -> int | None:
+    if text.strip().lower() == "all":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of requests or 'all', got {text!r}") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Register ``fleet``'s options on ``p``."""
+    p.add_argument("trace", nargs="?", default="mooncake-trace",
+                   help="a shipped trace (mooncake-trace, the default; azure-conv-trace, azure-code-trace) "
+                        "or a trace file (Mooncake JSONL or Azure CSV, plain or .gz)")
+    p.add_argument("--router", default="all", choices=[*ROUTERS, "all"], help="default: all, one after another")
+    p.add_argument("--replicas", type=int, default=16, help="replicas in the fleet (default 16)")
+    p.add_argument("--num-requests", type=_count_or_all, default=DEFAULT_REQUESTS, metavar="N|all",
+                   help=f"the first N requests of the trace, or all (default {DEFAULT_REQUESTS:,})")
+    p.add_argument("--vnodes", type=int, default=DEFAULT_VNODES,
+                   help=f"ring: virtual nodes per replica (default {DEFAULT_VNODES})")
+    p.add_argument("--eps", type=float, default=DEFAULT_EPS,
+                   help=f"ring-bounded: a replica's cap is ceil((1 + eps) x average in flight) "
+                        f"(default {DEFAULT_EPS})")
+    p.add_argument("--key-tokens", type=int, default=DEFAULT_KEY_TOKENS,
+                   help="ring: hash the prompt's first N tokens; also what counts as one prefix in the "
+                        f"replicas-per-prefix column (default {DEFAULT_KEY_TOKENS:,})")
+    p.add_argument("--ring-seed", type=int, default=0, help="ring: seed of the virtual nodes' positions")
+    p.add_argument("--cache-threshold", type=float, default=SGLANG_CACHE_THRESHOLD,
+                   help="precise: follow the longest cached prefix only above this share of the prompt "
+                        f"(default {SGLANG_CACHE_THRESHOLD}, the value in SGLang's router docs)")
+    p.add_argument("--balance-abs", type=int, default=SGLANG_BALANCE_ABS,
+                   help=f"precise: the load guard's absolute gap (default {SGLANG_BALANCE_ABS}, the value "
+                        "in SGLang's router docs)")
+    p.add_argument("--balance-rel", type=float, default=SGLANG_BALANCE_REL,
+                   help=f"precise: the load guard's ratio (default {SGLANG_BALANCE_REL}, the value in "
+                        "SGLang's router docs)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--hash-algo", default="sha256", choices=HASH_ALGOS, help="block hashes (default sha256)")
+    p.add_argument("--max-len", type=int, default=DEFAULT_MAX_LEN,
+                   help=f"context limit: longer requests are clipped (default {DEFAULT_MAX_LEN:,})")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences cap per replica (default 256)")
+    p.add_argument("--model", default="Llama-3.1-8B", help="built-in model for KV and weight bytes")
+    p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="GPU memory per replica (default 80, an H100)")
+    p.add_argument("--util", type=float, default=0.9, help="memory utilisation (default 0.9)")
+    p.add_argument("--kv-gib", type=float, default=None, help="KV budget per replica in GiB instead")
+    p.add_argument("--bandwidth-tbs", type=float, default=H100_HBM_BYTES_PER_S / 1e12,
+                   help="HBM bandwidth in TB/s (default 3.35, H100 SXM)")
+    p.add_argument("--tflops", type=float, default=H100_BF16_FLOPS / 1e12, help="peak TFLOP/s for prefill")
+    p.add_argument("--overhead-ms", type=float, default=1.0, help="fixed overhead per iteration (ms)")
+    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--progress", action="store_true", help="a line on stderr every 1,000 requests")
+    p.add_argument("--data-dir", type=Path, default=None, metavar="DIR",
+                   help="where the shipped-trace names are looked up (default: the traces shipped "
+                        "with pagedkv, or $PAGEDKV_DATA)")
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Every numeric flag, by the name the user typed, before anything is loaded or simulated."""
+    check_int("--replicas", args.replicas, 1, MAX_REPLICAS)
+    if args.num_requests is not None:
+        check_int("--num-requests", args.num_requests, 1)
+    check_int("--vnodes", args.vnodes, 1, MAX_VNODES)
+    check_number("--eps", args.eps, lo_open=False, hi=1e6)
+    check_int("--key-tokens", args.key_tokens, 1)
+    check_int("--ring-seed", args.ring_seed, 0)
+    check_number("--cache-threshold", args.cache_threshold, lo_open=False, hi=0.999999, why=" (a share below 1)")
+    check_int("--balance-abs", args.balance_abs, 0)
+    check_number("--balance-rel", args.balance_rel, lo=1.0, lo_open=False, hi=1e6)
+    check_int("--max-len", args.max_len, 2, MAX_LEN)
+    check_int("--block-size", args.block_size, 1, args.max_len, " (at most --max-len)")
+    check_int("--max-num-seqs", args.max_num_seqs, 1)
+    check_number("--gpu-mem-gib", args.gpu_mem_gib, hi=sizing.MAX_MEMORY_GIB, why=" (1 PiB)")
+    check_number("--util", args.util, hi=1.0)
+    if args.kv_gib is not None:
+        check_number("--kv-gib", args.kv_gib, hi=sizing.MAX_MEMORY_GIB, why=" (1 PiB)")
+    check_number("--bandwidth-tbs", args.bandwidth_tbs, hi=1e6)
+    check_number("--tflops", args.tflops, hi=1e9)
+    check_number("--overhead-ms", args.overhead_ms, lo_open=False, hi=1e6)
+    check_data_dir("--data-dir", args.data_dir)
+    if args.json is not None:
+        check_out_file("--json", args.json)
+    if args.hash_algo == "xxh3":
+        try:
+            import xxhash  # noqa: F401
+        except ImportError:
+            raise UsageError('--hash-algo xxh3 needs the xxhash package: pip install "pagedkv[xxhash]"') from None
+    if args.router in ("precise", "all"):
+        try:
+            import msgspec  # noqa: F401
+        except ImportError:
+            raise UsageError(f"--router {args.router}: the precise router reads KV events in vLLM's wire "
+                             'format, which needs msgspec: pip install "pagedkv[events]"') from None
+
+
+def _memory(args: argparse.Namespace) -> tuple[int, CostModel]:
+    """(blocks per replica, cost model) for the chosen model and GPU."""
+    spec = check_model("--model", args.model)
+    weights = sizing.estimate_weight_bytes(spec)
+    if weights is None:
+        raise UsageError(f"--model {spec.name}: cannot estimate the weights of a mixture-of-experts "
+                         "or MLA model; choose a dense model")
+    size = sizing.kv_size(spec, block_size=args.block_size)
+    flag = f"--kv-gib {args.kv_gib:g}" if args.kv_gib is not None else f"--gpu-mem-gib {args.gpu_mem_gib:g}"
+    if args.kv_gib is not None:
+        cap = sizing.fit_blocks(size, kv_budget_gib=args.kv_gib)
+    else:
+        if args.gpu_mem_gib * args.util - weights / sizing.GIB <= 0:
+            raise UsageError(f"--gpu-mem-gib {args.gpu_mem_gib:g} x --util {args.util:g} leaves nothing "
+                             f"for KV after {spec.name}'s {weights / sizing.GIB:.2f} GiB of weights")
+        cap = sizing.fit_blocks(size, gpu_mem_gib=args.gpu_mem_gib, util=args.util,
+                                weights_gib=weights / sizing.GIB)
+    if cap.num_blocks < 1:
+        raise UsageError(f"{flag} leaves no room for one block of {spec.name} KV at block size {args.block_size}")
+    if cap.num_blocks > MAX_BLOCKS:
+        raise UsageError(f"{flag} makes {cap.num_blocks:,} blocks per replica; the simulator holds at most "
+                         f"{MAX_BLOCKS:,}: give a smaller size")
+    cost = CostModel(kv_bytes_per_token=size.bytes_per_token, weight_bytes=weights,
+                     bandwidth=args.bandwidth_tbs * 1e12, peak_flops=args.tflops * 1e12,
+                     overhead_s=args.overhead_ms / 1e3, model=spec.name)
+    return cap.num_blocks, cost
+
+
+def _trace(args: argparse.Namespace) -> tuple[Path, str]:
+    """The trace file and its format (``mooncake`` or ``azure``)."""
+    from ..sim.traces import detect_format, trace_path
+
+    name = args.trace
+    if name.lower() in SHIPPED_TRACES:
+        path = trace_path(SHIPPED_TRACES[name.lower()], args.data_dir)
+        if path is None:
+            raise UsageError(f"{name}: the trace is not in {args.data_dir or 'the data directory'}")
+    else:
+        path = Path(name)
+        if not path.is_file():
+            raise UsageError(f"{name!r} is neither a shipped trace ({', '.join(SHIPPED_TRACES)}) nor a trace file")
+    return path, detect_format(path)
+
+
+def _requests(args: argparse.Namespace, path: Path, num_blocks: int) -> list:
+    """The requests, clipped to ``--max-len``, refused when one cannot fit a replica's cache."""
+    from ..sim.fleet import ReplicaAllocator
+    from ..sim.scheduler import check_fits, clip_request
+    from ..sim.traces import load_trace
+
+    reqs = load_trace(path, limit=args.num_requests)
+    if not reqs:
+        raise UsageError(f"{path}: no requests to route")
+    check_fits([clip_request(r, args.max_len) for r in reqs], ReplicaAllocator(num_blocks, args.block_size),
+               args.max_len)
+    return reqs
+
+
+def _router(args: argparse.Namespace, name: str):
+    return make_router(name, vnodes=args.vnodes, eps=args.eps, seed=args.ring_seed, key_tokens=args.key_tokens,
+                       block_size=args.block_size, hash_algo=args.hash_algo, balance_abs=args.balance_abs,
+                       balance_rel=args.balance_rel, cache_threshold=args.cache_threshold)
+
+
+def _table(args: argparse.Namespace, results: list, n: int, fmt: str, num_blocks: int, cost: CostModel) -> Table:
+    t = Table(f"{args.trace}: {n:,} requests on {args.replicas} replicas of {num_blocks:,} blocks of "
+              f"{args.block_size} ({cost.model})",
+              ["router", "hit %", "imbalance", "TTFT p50 ms", "TTFT p90 ms", "req/s", "tokens/s",
+               "replicas/prefix", "max", "one replica %", "preemptions", "wall s"],
+              plot={"x": "router", "y": ["hit %"], "kind": "bar", "ylabel": "% of prompt tokens from cache"})
+    for res in results:
+        s = res.summary()
+        t.add(res.router.split(" ")[0], round(100 * s["hit_rate"], 2), round(s["imbalance"], 3),
+              round(1e3 * s["ttft_p50_s"], 1), round(1e3 * s["ttft_p90_s"], 1), round(s["throughput_rps"], 3),
+              round(s["tokens_per_s"], 1), round(s["replicas_per_prefix_mean"], 2), s["replicas_per_prefix_max"],
+              round(100 * s["prefixes_on_one_replica"], 1), s["preemptions"], round(s["wall_s"], 1))
+    for res in results:
+        extra = f"; {res.event_bytes / 1e6:,.1f} MB of KV events decoded" if res.event_bytes else ""
+        stats = ", ".join(f"{k} {v:,}" for k, v in sorted(res.router_stats.items()))
+        if stats or extra or res.router != res.router.split(" ")[0]:
+            t.notes.append(f"{res.router}" + (f": {stats}" if stats else "") + extra)
+    t.notes.append("hit % = prompt tokens served from the replicas' prefix caches / prompt tokens asked for; "
+                   "imbalance = max / mean of the replicas' busy seconds; replicas/prefix: distinct replicas "
+                   f"that the requests sharing their first {args.key_tokens:,} tokens went to (prefixes used "
+                   "at least twice); wall s: seconds this machine took")
+    t.notes.append(f"cost model {cost.describe()}")
+    if fmt == "azure":
+        t.notes.append("Azure traces carry no content hashes: every prompt is unique, so no router can hit "
+                       "and the prefix routers reduce to load balancing (the ring to random placement)")
+    return t
+
+
+@reports_errors("fleet")
+def run(args: argparse.Namespace) -> int:
+    """Print the table; 0 on success, 2 with one line on stderr for bad input."""
+    from ..sim.fleet import run_fleet
+
+    _check(args)
+    num_blocks, cost = _memory(args)
+    path, fmt = _trace(args)
+    reqs = _requests(args, path, num_blocks)
+    names = list(ROUTERS) if args.router == "all" else [args.router]
+    results = []
+    for name in names:
+        progress = None
+        if args.progress:
+            print(f"fleet: {name} ({len(reqs):,} requests)", file=sys.stderr)
+            progress = lambda done, total, name=name: print(  # noqa: E731
+                f"fleet: {name} {done:,}/{total:,} requests", file=sys.stderr)
+        results.append(run_fleet(reqs, _router(args, name), args.replicas, num_blocks, block_size=args.block_size,
+                                 cost=cost, hash_algo=args.hash_algo, max_len=args.max_len,
+                                 max_num_seqs=args.max_num_seqs, key_tokens=args.key_tokens, progress=progress))
+    print(_table(args, results, len(reqs), fmt, num_blocks, cost).to_text())
+    if args.json is not None:
+        payload = {"trace": str(path), "format": fmt, "requests": len(reqs), "replicas": args.replicas,
+                   "blocks_per_replica": num_blocks, "block_size": args.block_size, "cost_model": cost.describe(),
+                   "results": [r.summary() for r in results]}
+        args.json.write_text(json.dumps(payload, indent=1))
+    return 0
