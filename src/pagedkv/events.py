@@ -225,6 +225,9 @@ def __getattr__(name: str):
 # ---- hashes ------------------------------------------------------------------------------------
 
 
+_INT_ONLY = {int}
+
+
 def hash_to_u64(block_hash: Any) -> int:
     """A pagedkv block hash as the unsigned 64-bit id the wire format carries.
 
@@ -403,7 +406,7 @@ def decode_vllm(payload: bytes) -> tuple[float, list, int | None]:
     for ev in batch.events:
         if type(ev) is w.AllBlocksCleared:
             continue
-        if any(type(h) is bytes for h in ev.block_hashes):
+        if ev.block_hashes and set(map(type, ev.block_hashes)) != _INT_ONLY:  # raw digests
             ev.block_hashes = [hash_to_u64(h) for h in ev.block_hashes]
         if type(ev) is w.BlockStored and type(ev.parent_block_hash) is bytes:
             ev.parent_block_hash = hash_to_u64(ev.parent_block_hash)
