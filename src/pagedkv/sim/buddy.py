@@ -6,18 +6,20 @@ values as one strided tensor. Contiguity is what creates external fragmentation,
 allocator is the classic allocator for it (power-of-two orders, split on allocation, merge on
 free). Running a real one means external fragmentation is *measured*, not assumed.
 
-Exact allocations: ``alloc(size)`` takes a block of order ``ceil(log2(size))`` and immediately
-gives the unused tail back to the free lists as aligned power-of-two pieces (the
-``alloc_pages_exact`` trick of the Linux kernel). So a 500-slot request holds 500 slots, not 512;
-the other 12 are free (as pieces of 8 and 4) and can serve small requests, and they merge back
-when the 500 are freed. Without it, "Oracle" (reserve exactly the final length) would silently
-become "Pow2". ``exact=False`` gives the classic behaviour for comparison.
+Classic placement (the default, and the one the vLLM paper assumes for Orca, §6.1 and §6.5):
+``alloc(size)`` holds the whole block of order ``ceil(log2(size))``, so a 132-slot reservation
+holds 256 slots and the 124 it rounded up are internal fragmentation of that reservation.
+
+``exact=True`` is an extra placement model, not the paper's: the block's unused tail goes back to
+the free lists at once as aligned power-of-two pieces (the ``alloc_pages_exact`` trick of the
+Linux kernel), so a 500-slot request holds 500 slots and the other 12 (pieces of 8 and 4) can
+serve small requests, merging back when the 500 are freed.
 
 Worked example: ``BuddyAllocator(24)`` starts with free blocks 16@0 and 8@16 (24 is not a power of
 two, so the arena is its binary decomposition). ``alloc(5)`` needs order 3 (8 >= 5); the only
-order-3 block is 8@16, so it keeps slots 16..20 and frees the tail 21..23 as 1@21 and 2@22.
-``unusable_free(16)`` is then 3: the three free slots that cannot serve a 16-slot request (the
-16@0 block can).
+order-3 block is 8@16, so it holds slots 16..23. ``unusable_free(32)`` is then 16: no free block
+can hold 32 slots. With ``exact=True`` the same ``alloc(5)`` keeps 16..20 and frees the tail
+21..23 as 1@21 and 2@22; ``unusable_free(16)`` is then 3 (the 16@0 block can serve 16).
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ class BuddyAllocator:
     placement deterministic and compact.
     """
 
-    def __init__(self, num_slots: int, exact: bool = True) -> None:
+    def __init__(self, num_slots: int, exact: bool = False) -> None:
         if not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
         self.num_slots = num_slots
@@ -108,8 +110,8 @@ class BuddyAllocator:
     def alloc(self, size: int) -> int | None:
         """Reserve ``size`` contiguous slots; the offset, or None when no block of the order is free.
 
-        Exact mode holds exactly ``size`` slots (the tail of the power-of-two block is freed at
-        once); classic mode holds the whole ``2**order_for(size)``.
+        Classic mode (the default) holds the whole ``2**order_for(size)``; exact mode holds exactly
+        ``size`` slots (the tail of the power-of-two block is freed at once).
         """
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"size must be a positive int, got {size!r}")
