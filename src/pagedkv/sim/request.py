@@ -90,7 +90,15 @@ class Request:
         """How many sequences the request runs at its widest (samples or beams)."""
         return max(self.n, self.beam_width)
 
+    def prompt_array(self) -> np.ndarray:
+        """The prompt's tokens as one int32 array, mixed in one vectorised call (a 12,000-token
+        Mooncake prompt of 24 segments costs one ``mix_tokens`` call, not 24)."""
+        lengths = np.array([length for _, length in self.segments], dtype=np.int64)
+        keys = np.array([key & 0xFFFFFFFFFFFFFFFF for key, _ in self.segments], dtype=np.uint64)
+        starts = np.cumsum(lengths) - lengths
+        positions = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(starts, lengths)
+        return mix_tokens(np.repeat(keys, lengths), positions.astype(np.uint64))
+
     def prompt_tokens(self) -> list[int]:
         """Materialise the prompt (as Python ints, ready for ``KVCacheManager.add_sequence``)."""
-        parts = [segment_tokens(key, length) for key, length in self.segments]
-        return np.concatenate(parts).tolist()
+        return self.prompt_array().tolist()
