@@ -66,8 +66,9 @@ def section(opts: ReportOptions) -> Section:
         ["block size", "blocks", "internal frag %", "(bs-1)/2 model %", "token states %", "avg batch",
          "table entries/seq", "table bytes/seq", "table bytes @2048", "all tables KiB", "block MiB",
          "requests/s", "preemptions"],
-        plot={"x": "block size", "y": ["internal frag %", "(bs-1)/2 model %"], "kind": "line", "logx": True,
-              "ylabel": "% of allocated slots unused"},
+        plot={"name": "block_size_fragmentation", "x": "block size",
+              "y": ["internal frag %", "(bs-1)/2 model %"], "kind": "line", "logx": True, "ymin": 0,
+              "ylabel": "% of allocated slots unused", "xlabel": "block size (tokens, log scale)"},
     )
     data = {}
     kv_bytes = sizing.kv_bytes_per_token(opts.model)
