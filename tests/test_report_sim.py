@@ -333,3 +333,48 @@ def test_simulate_names_a_real_trace(capsys):
     out = capsys.readouterr().out
     assert "(real trace: azure_llm_2023_conv.csv" in out
     assert "have a prompt of --max-len 2,048 tokens or more and are left out" in out
+
+
+def test_fig2_leaves_out_a_trace_nothing_of_which_fits(tmp_path):
+    """A --trace whose prompts all exceed the 2,048-token context is reported, not run (and the
+    report does not stop)."""
+    path = tmp_path / "long.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                    + "".join(f"2023-11-16 18:15:{10 + i:02d}.0,{3000 + i},20\n" for i in range(5)))
+    sec = fig2.section(ReportOptions(quick=True, trace=path))
+    assert "trace long.csv: none of its first 5 requests fits the 2,048-token context (5 prompts" in " ".join(sec.text)
+    assert "trace long.csv" not in sec.data["workloads"]
+    assert not any("long.csv" in r for r in sec.tables[0].column("run"))
+
+
+def test_run_window_is_first_arrival_to_last_finish():
+    """The serving-run window leaves out only the wait before the first arrival: an idle gap
+    between two requests counts (memory all free then), so the run's free share lies between the
+    busy-only and the everything share."""
+    import numpy as np
+
+    from pagedkv.sim.baselines import make_allocator
+    from pagedkv.sim.costmodel import CostModel
+    from pagedkv.sim.metrics import compute, window_mask
+    from pagedkv.sim.scheduler import simulate
+
+    reqs = [Request("a", 100.0, ((1, 40),), 20), Request("b", 200.0, ((2, 40),), 20)]
+    res = simulate(reqs, make_allocator("paged", 64, 16), CostModel(overhead_s=0.01))
+    s = res.steps
+    run = window_mask(s, "run")
+    assert s.idle[0] and not run[0]  # [0, 100): before the first arrival
+    gap = np.flatnonzero(s.idle)[1]
+    assert run[gap] and run[1:].all()  # the gap between a and b is part of the run
+    free = {w: compute(res, w).shares["free"] for w in ("busy", "run", "all")}
+    assert free["busy"] < free["run"] < free["all"]
+
+
+def test_prompt_array_is_the_segments_tokens():
+    import numpy as np
+
+    from pagedkv.sim.request import segment_tokens
+
+    r = Request("x", 0.0, ((7, 512), (9, 300), (7, 0), (11, 5)), 3)
+    want = np.concatenate([segment_tokens(k, n) for k, n in r.segments])
+    got = r.prompt_array()
+    assert got.dtype == want.dtype and got.tolist() == want.tolist() == r.prompt_tokens()

@@ -256,11 +256,14 @@ def _run_all(reqs: list[Request], bs: int, window: str, names=ALLOCATORS, **kw) 
     return {NAMES[a]: run_one(reqs, a, bs, window=window, **kw) for a in names}
 
 
-def _workload(key: str, label: str, src, opts: ReportOptions, n: int, spread, sweep) -> _Workload:
+def _workload(key: str, label: str, src, opts: ReportOptions, n: int, spread, sweep) -> _Workload | Prepared:
+    """Every run of one workload; just its :class:`Prepared` when no request fits the context."""
     bs = opts.block_size
     synthetic = isinstance(src, str)
     opts.note(f"fig2, {label}: saturated runs (t = 0)")
     sat = prepare(src, n, opts.seed)
+    if not sat.requests:
+        return sat
     sat_runs = _run_all(sat.requests, bs, "saturated")
     capacity = paged_capacity(sat_runs["paged"][1])
     rate = serving_rate(sat_runs["paged"][1])
@@ -414,7 +417,14 @@ def section(opts: ReportOptions) -> Section:
     n = QUICK_REQUESTS if opts.quick else FULL_REQUESTS
     spread = spread_range(opts)
     sweep = QUICK_SWEEP if opts.quick else SWEEP
-    wls = [_workload(key, label, src, opts, n, spread, sweep) for key, label, src in workloads(opts)]
+    wls, empty = [], []
+    for key, label, src in workloads(opts):
+        wl = _workload(key, label, src, opts, n, spread, sweep)
+        if isinstance(wl, Prepared):
+            empty.append(f"{label}: none of its first {wl.read:,} requests fits the {PAPER_MAX_LEN:,}-token "
+                         f"context ({wl.rejected:,} prompts of {PAPER_MAX_LEN:,} tokens or more): left out.")
+        else:
+            wls.append(wl)
     head = wls[0]
     num_blocks, cm = paper_setup(opts.block_size)
     srv_t = _breakdown_table(
@@ -451,7 +461,8 @@ def section(opts: ReportOptions) -> Section:
         heading="Memory waste: pre-allocation vs paging (vLLM Fig. 2)",
         intro=(__doc__ or "").split("\n\n")[1].replace("\n", " "),
         tables=tables,
-        text=[_regime_text(head, opts.quick), "Requests over the model's limit: " + " ".join(_fit_note(wl) for wl in wls)],
+        text=[_regime_text(head, opts.quick),
+              "Requests over the model's limit: " + " ".join([_fit_note(wl) for wl in wls] + empty)],
     )
     sec.data.update(_data(wls, spread, n))
     return sec
