@@ -222,9 +222,13 @@ def _why(name: str, m: Metrics, res: SimResult, max_len: int, synthetic: bool) -
                 f"but each reservation still needs a free aligned 2^k block: "
                 f"{_pct(sh['external_fragmentation'])}% stranded")
     if name == "Pow2":
-        return (f"output rounded up to 2^k, then the buddy rounds prompt + that to 2^k: "
+        text = (f"output rounded up to 2^k, then the buddy rounds prompt + that to 2^k: "
                 f"{_pct(m.internal_fragmentation_ratio)}% of held memory never used; "
                 f"{_pct(sh['external_fragmentation'])}% stranded in blocks too small for the waiting head")
+        if synthetic:
+            text += ("; the waste depends on where lengths fall between powers of two, a property of "
+                     "the real length distribution that its published means do not fix")
+        return text
     if name == "Oracle":
         return (f"true length known, but the buddy rounds it up to 2^k: {_pct(m.internal_fragmentation_ratio)}% "
                 f"of held memory never used; {_pct(sh['reserved'])}% reserved for future tokens")

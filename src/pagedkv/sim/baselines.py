@@ -208,11 +208,20 @@ class ReservationAllocator(KVAllocator):
         self.name = POLICY_NAMES[policy] + (" (exact buddy)" if exact else "")
         self._reqs: dict[str, _Reservation] = {}
         self._tokens = self._reserved = self._internal = 0
+        self._last_size: tuple[Request | None, int] = (None, 0)
 
     def reserve_size(self, req: Request) -> int:
         """Slots the policy reserves for each of the request's sequences (before the buddy's
         rounding; :meth:`held_size` is what the buddy then holds). Prompt 100, output 25: Max
         2,048, Pow2 132, Oracle 125."""
+        last = self._last_size
+        if last[0] is req:  # the waiting head is asked about every step
+            return last[1]
+        size = self._reserve_size(req)
+        self._last_size = (req, size)
+        return size
+
+    def _reserve_size(self, req: Request) -> int:
         final = req.total_len
         if final > self.max_len:
             raise ValueError(f"request {req.req_id}: final length {final} > max_len {self.max_len}")
@@ -258,8 +267,9 @@ class ReservationAllocator(KVAllocator):
 
     def step(self, req_ids: Sequence[str]) -> int:
         reqs = [self._reqs[i] for i in req_ids]
-        if any(r.length >= r.final for r in reqs):
-            raise ValueError("a request in the step has already reached its final length")
+        for r in reqs:  # checked before anything changes: a failing step changes nothing
+            if r.length >= r.final:
+                raise ValueError("a request in the step has already reached its final length")
         n = 0
         for r in reqs:
             r.length += 1

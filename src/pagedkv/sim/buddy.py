@@ -70,6 +70,8 @@ class BuddyAllocator:
         self._free: list[set[int]] = [set() for _ in range(self.max_order + 1)]
         self._free_at: dict[int, int] = {}  # offset -> order of every free block
         self._alloc: dict[int, int] = {}  # offset -> slots held by that allocation
+        self._version = 0  # bumped by every change of the free lists (memo key of unusable_free)
+        self._unusable: tuple[int, int, int] = (-1, -1, 0)  # (order, version, result)
         self.free_slots = 0
         for off, k in aligned_pieces(0, num_slots):
             self._push(off, k)
@@ -80,11 +82,13 @@ class BuddyAllocator:
         self._free[k].add(off)
         self._free_at[off] = k
         self.free_slots += 1 << k
+        self._version += 1
 
     def _pop(self, off: int, k: int) -> None:
         self._free[k].remove(off)
         del self._free_at[off]
         self.free_slots -= 1 << k
+        self._version += 1
 
     def _release(self, off: int, k: int) -> None:
         """Free one aligned block, merging with its buddy as long as the buddy is free."""
@@ -116,12 +120,13 @@ class BuddyAllocator:
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"size must be a positive int, got {size!r}")
         k = order_for(size)
-        if k > self.max_order:
-            return None
-        j = next((j for j in range(k, self.max_order + 1) if self._free[j]), None)
-        if j is None:
-            return None
-        off = min(self._free[j])
+        free = self._free
+        for j in range(k, self.max_order + 1):
+            if free[j]:
+                break
+        else:
+            return None  # also when k > max_order: the arena has no block that large
+        off = min(free[j])
         self._pop(off, j)
         while j > k:  # split: keep the lower half, free the upper
             j -= 1
@@ -165,7 +170,14 @@ class BuddyAllocator:
         4@0 and 4@8 (buddies of allocated blocks) are 8 free slots, all unusable for ``size=8``.
         """
         k = order_for(size)
-        return sum(len(self._free[j]) << j for j in range(min(k, self.max_order + 1)))
+        order, version, result = self._unusable
+        if order == k and version == self._version:  # asked every step while a request waits
+            return result
+        result = 0
+        for j in range(min(k, self.max_order + 1)):
+            result += len(self._free[j]) << j
+        self._unusable = (k, self._version, result)
+        return result
 
     def check(self) -> None:
         """Raise AssertionError unless allocations and free blocks tile ``[0, num_slots)`` exactly,

@@ -12,7 +12,7 @@ equal those of every other request that starts with key 7.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -65,10 +65,13 @@ class Request:
     output_len: int
     n: int = 1
     beam_width: int = 1
+    # sum of the segment lengths, computed once: schedulers ask for it every iteration
+    _prompt_len: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
         if not self.segments or any(length < 0 for _, length in self.segments):
             raise ValueError(f"request {self.req_id}: segments must be non-empty with lengths >= 0")
+        object.__setattr__(self, "_prompt_len", sum(length for _, length in self.segments))
         if self.prompt_len < 1:
             raise ValueError(f"request {self.req_id}: the prompt must have at least one token")
         if self.output_len < 0 or self.n < 1 or self.beam_width < 1:
@@ -78,7 +81,7 @@ class Request:
 
     @property
     def prompt_len(self) -> int:
-        return sum(length for _, length in self.segments)
+        return self._prompt_len
 
     @property
     def total_len(self) -> int:
