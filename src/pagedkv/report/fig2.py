@@ -42,7 +42,7 @@ PAPER_MAX_LEN = 2048  # OPT's context, Orca Max's reservation
 PAPER_GPU = "A100-40GB"
 NAMES = {"max": "Max", "pow2": "Pow2", "oracle": "Oracle", "paged": "paged"}
 EXACT = " (exact buddy, not the paper's)"
-FULL_REQUESTS, QUICK_REQUESTS = 1000, 60
+FULL_REQUESTS, QUICK_REQUESTS = 1000, 40
 # The headline offered load, as a multiple of what paging serves when saturated. At 1.0 the queue
 # is critically loaded: it empties at random and paging's token share swings with the seed (74-89%
 # over seeds 0-2); from 1.25 on, requests wait through over 80% of the run and the share is on its
@@ -168,6 +168,10 @@ def run_one(reqs: list[Request], allocator: str, block_size: int = 16, max_len: 
     """One simulation on the paper's memory; the raw result and its metrics over ``window``
     (``"saturated"`` for a t = 0 run, ``"run"`` for a serving run). ``kw`` go to
     :func:`~pagedkv.sim.baselines.make_allocator` (``exact`` for reservations, paged options)."""
+    over = sum(r.total_len > max_len for r in reqs)
+    if over:  # the scheduler would clip them silently; the report counts them first (prepare)
+        raise ValueError(f"{over} requests are longer than max_len {max_len}: fit them with prepare() or "
+                         "fit_to_model(), which count what they do")
     num_blocks, cost = paper_setup(block_size)
     alloc = make_allocator(allocator, num_blocks, block_size, max_len, **kw)
     res = simulate(reqs, alloc, cost, max_len=max_len)
@@ -252,6 +256,7 @@ class _Workload:
     saturated: dict  # name -> (SimResult, Metrics)
     serving: dict
     band: dict  # name -> [token share at each log-sd], serving runs
+    sat_band: dict  # the same, saturated runs
     band_rates: list  # the rate chosen at each log-sd (the same rule as the headline's)
     sweep: list  # (multiple of capacity, SimResult, Metrics), paged serving runs
 
@@ -274,7 +279,7 @@ def _workload(key: str, label: str, src, opts: ReportOptions, n: int, spread, sw
     opts.note(f"fig2, {label}: serving runs at {rate:g} req/s")
     srv = prepare(src, n, opts.seed, rate=rate)
     srv_runs = _run_all(srv.requests, bs, "run")
-    band, band_rates, sweep_runs = {}, [], []
+    band, sat_band, band_rates, sweep_runs = {}, {}, [], []
     if key == "sharegpt":
         for a in ("pow2", "oracle"):
             srv_runs[NAMES[a] + EXACT] = run_one(srv.requests, a, bs, window="run", exact=True)
@@ -282,7 +287,10 @@ def _workload(key: str, label: str, src, opts: ReportOptions, n: int, spread, sw
             opts.note(f"fig2, {label}: length-spread band (log-sd {spread[0]:.2f} and {spread[1]:.2f})")
             for sd in spread:  # the whole procedure again, its rate included
                 sat_sd = prepare(src, n, opts.seed, log_sd=sd).requests
-                rate_sd = serving_rate(run_one(sat_sd, "paged", bs)[1])
+                runs_sd = _run_all(sat_sd, bs, "saturated")
+                for name, (_, m) in runs_sd.items():
+                    sat_band.setdefault(name, []).append(m.token_share)
+                rate_sd = serving_rate(runs_sd["paged"][1])
                 band_rates.append(rate_sd)
                 reqs = prepare(src, n, opts.seed, rate=rate_sd, log_sd=sd).requests
                 for name, (_, m) in _run_all(reqs, bs, "run").items():
@@ -291,22 +299,20 @@ def _workload(key: str, label: str, src, opts: ReportOptions, n: int, spread, sw
             opts.note(f"fig2, {label}: paged at {f:g} x {capacity:g} req/s")
             reqs = prepare(src, n, opts.seed, rate=_round3(capacity * f)).requests
             sweep_runs.append((f, *run_one(reqs, "paged", bs, window="run")))
-    return _Workload(key, label, synthetic, sat, srv, capacity, rate, sat_runs, srv_runs, band, band_rates,
-                     sweep_runs)
+    return _Workload(key, label, synthetic, sat, srv, capacity, rate, sat_runs, srv_runs, band, sat_band,
+                     band_rates, sweep_runs)
 
 
 # ---- tables -------------------------------------------------------------------------------------
 
 
 def _breakdown_table(title: str, name: str, with_band: bool) -> Table:
-    cols = ["run", SHARE_COLUMNS[0]]
-    if with_band:
-        cols += ["band lo %", "band hi %"]
-    cols += SHARE_COLUMNS[1:] + ["paper token states %", "why ours differs / what it is"]
+    """A Fig. 2 table; ``with_band`` marks the headline one (exact-buddy rows, footnote, title)."""
+    cols = ["run", SHARE_COLUMNS[0], "band lo %", "band hi %"] + SHARE_COLUMNS[1:] + ["paper token states %", "why ours differs / what it is"]
     plot = {"name": name, "x": "run", "y": SHARE_COLUMNS, "kind": "stacked", "marker": "paper token states %",
             "marker_label": "paper: token states (vLLM Fig. 2)", "ylabel": "% of KV memory", "xlabel": ""}
+    plot["band"] = {SHARE_COLUMNS[0]: ["band lo %", "band hi %"]}
     if with_band:
-        plot["band"] = {SHARE_COLUMNS[0]: ["band lo %", "band hi %"]}
         plot["label_replace"] = [[EXACT, " exact*"]]
         plot["footnote"] = ("* exact: reservations placed by a buddy allocator without the buddy's rounding to a power of "
                             "two; an extra model, not the paper's")
@@ -315,14 +321,13 @@ def _breakdown_table(title: str, name: str, with_band: bool) -> Table:
     return Table(title, cols, plot=plot)
 
 
-def _add_rows(t: Table, wl: _Workload, runs: dict, with_band: bool) -> None:
+def _add_rows(t: Table, wl: _Workload, runs: dict, band: dict) -> None:
     for name, (res, m) in runs.items():
         sh = m.shares
         ref = PAPER_TOKEN_SHARE.get(name) if wl.key == "sharegpt" else None
         row = [f"{wl.label} / {name}", _pct(sh["token_states"])]
-        if with_band:
-            vals = wl.band.get(name, [])
-            row += [_pct(min(vals + [m.token_share])), _pct(max(vals + [m.token_share]))] if vals else [None, None]
+        vals = band.get(name, [])
+        row += [_pct(min(vals + [m.token_share])), _pct(max(vals + [m.token_share]))] if vals else [None, None]
         row += [_pct(sh[c]) for c in CATEGORIES[1:]]
         t.add(*row, ref, _why(name, m, res, PAPER_MAX_LEN, wl.synthetic))
 
@@ -437,10 +442,11 @@ def section(opts: ReportOptions) -> Section:
     sat_t = _breakdown_table(
         "Fig. 2, second view: saturated, every request at t = 0 (time-weighted while requests wait)",
         "fig2_saturated", with_band=False)
-    sat_t.plot["title"] = "Fig. 2, second view: where KV memory goes when every request arrives at t = 0"
+    sat_t.plot["title"] = ("Fig. 2, second view: where KV memory goes when every request arrives at t = 0; "
+                           "error bar: token states over the length-spread band")
     for wl in wls:
-        _add_rows(srv_t, wl, wl.serving, True)
-        _add_rows(sat_t, wl, wl.saturated, False)
+        _add_rows(srv_t, wl, wl.serving, wl.band)
+        _add_rows(sat_t, wl, wl.saturated, wl.sat_band)
     memory = (f"Memory: {PAPER_MODEL}, {PAPER_KV_GIB} GiB of KV = {num_blocks * opts.block_size:,} token slots "
               f"(block size {opts.block_size}), context {PAPER_MAX_LEN:,}; {n:,} requests per workload.")
     rates = "; ".join(f"{wl.label} {wl.rate:g} req/s ({HEADLINE_LOAD:g} x {wl.capacity:g})" for wl in wls)
@@ -455,7 +461,8 @@ def section(opts: ReportOptions) -> Section:
         _band_note(spread, head),
         "Paper column: vLLM paper Fig. 2 (ShareGPT, OPT-13B); it has no Azure bars.",
     ]
-    sat_t.notes += [memory, "External = free slots in buddy blocks too small for the waiting head's "
+    sat_t.notes += [memory, "Band: the same rerun at the two log-sds as in the serving-run table.",
+                    "External = free slots in buddy blocks too small for the waiting head's "
                     "reservation; free = every other free slot."]
     tables = [srv_t, sat_t, _cost_table(wls, cm)]
     if head.sweep:
@@ -506,6 +513,9 @@ def _data(wls: list[_Workload], spread, n: int) -> dict:
             "band_token_share": {name: [min(v + [wl.serving[name][1].token_share]),
                                         max(v + [wl.serving[name][1].token_share])]
                                  for name, v in wl.band.items()},
+            "saturated_band_token_share": {name: [min(v + [wl.saturated[name][1].token_share]),
+                                                  max(v + [wl.saturated[name][1].token_share])]
+                                           for name, v in wl.sat_band.items()},
             "sweep": [{"x_capacity": f, "token_share": m.token_share, "free": m.shares["free"],
                        "waiting": _waiting_share(res)} for f, res, m in wl.sweep],
         }

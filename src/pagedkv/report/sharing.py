@@ -8,9 +8,9 @@ blocks the sequences would hold without sharing (``sum ceil(len / bs)``), both f
 manager's ``usage()``, time-weighted over decode steps. Prefix caching is off, so only forks
 share. Which beams survive comes from :class:`~pagedkv.sim.baselines.BeamModel` (seeded
 Dirichlet next-token distributions, top ``width`` of ``width x width`` candidates), a model, not
-a language model: the beam numbers depend on it, so they are given over five seeds. Lengths are
-synthetic (lognormal with the published means), so every number also comes with a band over the
-length spread real traces show.
+a language model: the beam numbers depend on it. Every number is given over five seeds (lengths,
+and the BeamModel), and, the lengths being synthetic (lognormal with the published means), with a
+band over the length spread real traces show.
 
 Worked number (parallel sampling, block size 16): a 40-token prompt with n = 2 and 60 output
 tokens ends with 2 x ceil(100/16) = 14 logical blocks over 12 physical (the 2 full prompt blocks
@@ -33,9 +33,9 @@ PAPER_SAVING = {("parallel", 2): 6.09, ("parallel", 4): 8.53, ("parallel", 6): 9
 PAPER_SHAREGPT_RANGE = {"parallel": (16.2, 30.5), "beam": (44.3, 66.3)}
 WIDTHS = (2, 4, 6)
 SHAREGPT_WIDTHS = (2, 6)  # the ends of the paper's range
-SEEDS = 5  # beam search: this many seeds (workload and BeamModel), opts.seed onwards
-SIZES = {"alpaca": 150, "sharegpt": 30}
-QUICK_SIZES = {"alpaca": 16, "sharegpt": 3}
+SEEDS = 5  # every row over this many seeds (lengths, and the BeamModel), opts.seed onwards
+SIZES = {"alpaca": 100, "sharegpt": 24}
+QUICK_SIZES = {"alpaca": 10, "sharegpt": 2}
 MODES = {"parallel": "n", "beam": "beam"}
 
 
@@ -48,7 +48,7 @@ class _Row:
     copies_per_request: float
     preemptions: int
     band: list  # savings at the spread range's ends
-    seeds: list  # beam: savings over SEEDS seeds (the first is ``saved``)
+    seeds: list  # savings over SEEDS seeds (the first is ``saved``)
 
 
 def _widen(reqs: list, mode: str, k: int) -> list:
@@ -71,12 +71,10 @@ def _measure(wl: str, label: str, widths, opts: ReportOptions, spread) -> list[_
             res, m = _saving(wl, n, opts.seed, mode, k, bs)
             band = [100 * _saving(wl, n, opts.seed, mode, k, bs, sd)[1].sharing_saving
                     for sd in (spread or ())]
-            seeds = [100 * m.sharing_saving]
-            if mode == "beam":
-                seeds += [100 * _saving(wl, n, opts.seed + i, mode, k, bs)[1].sharing_saving
-                          for i in range(1, SEEDS)]
+            seeds = [100 * m.sharing_saving] + [100 * _saving(wl, n, opts.seed + i, mode, k, bs)[1].sharing_saving
+                                                for i in range(1, SEEDS)]
             rows.append(_Row(label, mode, k, 100 * m.sharing_saving, res.copies / max(res.finished, 1),
-                             m.preemptions, band, seeds if mode == "beam" else []))
+                             m.preemptions, band, seeds))
     return rows
 
 
@@ -87,7 +85,7 @@ def _table(title: str, name: str, rows: list[_Row], paper_cols: list[str]) -> Ta
                     "xlabel": "", "ymin": 0, "band": {"saved %": ["band lo %", "band hi %"]},
                     "band_label": "length-spread band (log-sd range of real traces)",
                     "bands": [{"cols": ["seeds min %", "seeds max %"], "colour": "tab:red", "offset": 0.18,
-                               "label": f"beam search: min-max over {SEEDS} seeds"}]})
+                               "label": f"min-max over {SEEDS} seeds"}]})
     for r in rows:
         lo = min(r.band + [r.saved]) if r.band else None
         hi = max(r.band + [r.saved]) if r.band else None
@@ -157,9 +155,8 @@ def section(opts: ReportOptions) -> Section:
     common = [
         f"{sizes['alpaca']} Alpaca-like and {sizes['sharegpt']} ShareGPT-like requests at t = 0, block "
         f"size {opts.block_size}, on OPT-13B's 12 GiB of KV; prefix caching off.",
-        band + f"; seeds = beam search over {SEEDS} seeds ({opts.seed}..{opts.seed + SEEDS - 1}: "
-        "lengths and BeamModel), the first being the saved % column. Parallel sampling has no model "
-        "to seed.",
+        band + f"; seeds = mean and min-max over {SEEDS} seeds ({opts.seed}..{opts.seed + SEEDS - 1}: the "
+        "lengths drawn, and for beam search the BeamModel), the first being the saved % column.",
         "Beam search here never stops early and has no length penalty; every beam runs the request's "
         "output length, and beam survival follows the seeded BeamModel: the beam rows measure the "
         "allocator under that model, not a real decoder's ancestry.",
