@@ -108,8 +108,8 @@ def test_quick_section_matches_the_independent_count(quick):
     d = sec.data
     n = QUICK_TRACE_REQUESTS
     caps = d["by_capacity"]
-    assert seen[:len(caps)] == [f"prefix_hits, the first {n:,} requests (--quick): capacity {k}/{len(caps)} "
-                                f"({c['blocks']:,} blocks of 512), {n:,} requests" for k, c in enumerate(caps, 1)]
+    assert seen[:len(caps)] == [f"prefix_hits, {n:,} requests: capacity {k}/{len(caps)}, {c['blocks']:,} blocks "
+                                "of 512" for k, c in enumerate(caps, 1)]
     assert d["requests"] == n and caps[-1]["capacity"] == "unbounded"
     assert d["whole_trace_hit_rate"] == d["whole_trace_ideal_hit_rate"]  # exact: same rules, no model
     rates = [c["hit_rate"] for c in caps]

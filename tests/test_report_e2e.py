@@ -55,7 +55,9 @@ def test_quick_report_runs_every_section(quick_report):
     assert payload["options"]["quick"] is True and "progress" not in payload["options"]
     for key in SECTIONS:  # progress on stderr, one line as each section starts
         assert f"[pagedkv report] {key} (" in err
-    assert "prefix_hits, the first 1,500 requests (--quick): capacity 1/3" in err
+    assert "prefix_hits, 1,500 requests: capacity 1/3, " in err
+    progress_lines = [line for line in err.splitlines() if line.startswith("[pagedkv report]")]
+    assert max(map(len, progress_lines)) <= TEXT_WIDTH  # progress lines fit a terminal too
     assert "fig2, ShareGPT-like: serving runs at" in err
     assert "done in" in err.splitlines()[-1]
 

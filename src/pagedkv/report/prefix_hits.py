@@ -300,8 +300,8 @@ def _whole_trace(requests: list[Request], records, opts: ReportOptions, data: di
     bounded, never = _capacities(requests, block, QUICK_WHOLE_FRACTIONS if opts.quick else WHOLE_FRACTIONS)
     results = []
     for k, (label, blocks) in enumerate(bounded + [("unbounded", never)], 1):
-        opts.note(f"prefix_hits, {scope}: capacity {k}/{len(bounded) + 1} ({blocks:,} blocks of {block}), "
-                  f"{len(requests):,} requests")
+        opts.note(f"prefix_hits, {len(requests):,} requests: capacity {k}/{len(bounded) + 1}, "
+                  f"{blocks:,} blocks of {block}")
         results.append((label, block_replay(requests, blocks, block)))
     h, q = ideal_hits(records, block)
     gib = f"KV GiB ({opts.model})"
