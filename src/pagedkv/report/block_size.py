@@ -59,7 +59,7 @@ def section(opts: ReportOptions) -> Section:
     """Sweep the block size over a ShareGPT-like workload on the real manager."""
     if not isinstance(opts, ReportOptions):
         raise ValueError(f"opts must be ReportOptions, got {type(opts).__name__}")
-    n = 40 if opts.quick else 200
+    n = 40 if opts.quick else 150
     reqs = load("sharegpt", n, opts.seed)
     t = Table(
         "Internal fragmentation and block-table size against block size (ShareGPT-like, paged)",

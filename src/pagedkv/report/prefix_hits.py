@@ -57,7 +57,7 @@ MAX_RUNNING = 16  # sequences resident at once in the replay
 # of Llama-3.1-8B KV, one GPU's worth; 1 is 18 TiB).
 WHOLE_FRACTIONS = (1 / 512, 1 / 128, 1 / 32, 1 / 16, 1 / 8, 1 / 4)
 QUICK_WHOLE_FRACTIONS = (1 / 128, 1 / 16)
-CHECK_REQUESTS, QUICK_CHECK_REQUESTS = 300, 100  # token-level replay at the report's block size
+CHECK_REQUESTS, QUICK_CHECK_REQUESTS = 200, 100  # token-level replay at the report's block size
 QUICK_TRACE_REQUESTS = 1_500  # --quick replays the start of the trace, not all of it
 IDEAL_PREFIXES = (250, 500, 1_000, 2_000, 4_000, 8_000)
 HASH_ALGO = "builtin"  # fastest; hits do not depend on the hash function (no collisions in practice)

@@ -34,7 +34,7 @@ PAPER_SHAREGPT_RANGE = {"parallel": (16.2, 30.5), "beam": (44.3, 66.3)}
 WIDTHS = (2, 4, 6)
 SHAREGPT_WIDTHS = (2, 6)  # the ends of the paper's range
 SEEDS = 5  # every row over this many seeds (lengths, and the BeamModel), opts.seed onwards
-SIZES = {"alpaca": 100, "sharegpt": 24}
+SIZES = {"alpaca": 80, "sharegpt": 20}
 QUICK_SIZES = {"alpaca": 10, "sharegpt": 2}
 MODES = {"parallel": "n", "beam": "beam"}
 
