@@ -19,6 +19,7 @@ from pagedkv.sim.baselines import (
     ReservationAllocator,
     generated_tokens,
     make_allocator,
+    pow2_ceil,
 )
 from pagedkv.sim.request import VOCAB_SIZE, Request
 
@@ -27,11 +28,40 @@ def req(i: int, prompt: int, output: int, **kw) -> Request:
     return Request(f"r{i}", 0.0, ((1000 + i, prompt),), output, **kw)
 
 
-@pytest.mark.parametrize("policy,size,internal", [("max", 2048, 1549), ("pow2", 512, 13), ("oracle", 499, 0)])
-def test_reservation_sizes_docstring_example(policy, size, internal):
+@pytest.mark.parametrize("policy,reserved,held", [("max", 2048, 2048), ("pow2", 132, 256), ("oracle", 125, 128)])
+def test_paper_definitions_prompt_100_output_25(policy, reserved, held):
+    """vLLM paper 6.1: Pow2 over-reserves only the output (25 -> 32: 100 + 32 = 132), Oracle
+    reserves the true 125, Max 2,048; the classic buddy then holds the next power of two."""
+    a = ReservationAllocator(4096, policy, 2048)
+    r = req(0, 100, 25)
+    assert (a.reserve_size(r), a.held_size(r)) == (reserved, held)
+    assert a.admit(r)
+    b = a.breakdown()
+    assert (b.token_states, b.reserved, b.internal_fragmentation) == (100, 25, held - 125)
+    assert a.buddy.allocated_slots == held and b.total == 4096
+    a.check()
+
+
+@pytest.mark.parametrize("prompt,output,pow2", [(161, 338, 161 + 512), (100, 32, 132), (100, 33, 164),
+                                                (10, 1, 11), (7, 0, 7), (1400, 600, 2048), (2000, 48, 2048)])
+def test_pow2_rounds_only_the_output(prompt, output, pow2):
+    """Pow2 = prompt + the output rounded up to a power of two, capped at the model's 2,048 (an
+    output of 600 after a 1,400-token prompt would reserve 2,424, past the context)."""
+    assert ReservationAllocator(8192, "pow2", 2048).reserve_size(req(0, prompt, output)) == pow2
+
+
+def test_pow2_ceil():
+    assert [pow2_ceil(n) for n in (0, 1, 2, 3, 25, 32, 33, 338)] == [0, 1, 2, 4, 32, 32, 64, 512]
+    with pytest.raises(ValueError):
+        pow2_ceil(-1)
+
+
+@pytest.mark.parametrize("policy,held,internal", [("max", 2048, 1549), ("pow2", 1024, 525), ("oracle", 512, 13)])
+def test_reservation_sizes_docstring_example(policy, held, internal):
+    """The class docstring's 161 + 338 request: Pow2 reserves 161 + 512 = 673 and holds 1,024."""
     a = ReservationAllocator(5000, policy, 2048)
     r = req(0, 161, 338)
-    assert a.reserve_size(r) == size
+    assert a.held_size(r) == held
     assert a.admit(r)
     b = a.breakdown()
     assert (b.token_states, b.reserved, b.internal_fragmentation) == (161, 338, internal)
@@ -42,11 +72,12 @@ def test_reservation_sizes_docstring_example(policy, size, internal):
     a.check()
 
 
-@pytest.mark.parametrize("policy,held", [("max", 2048), ("pow2", 512), ("oracle", 512)])
-def test_classic_buddy_rounding_is_internal_fragmentation(policy, held):
-    """exact=False holds the whole power-of-two block: a 500-token Oracle reservation on 4,096
-    slots holds 512, and the 12 rounded-up slots are internal fragmentation, not lost."""
-    a = ReservationAllocator(4096, policy, 2048, exact=False)
+@pytest.mark.parametrize("policy,held", [("max", 2048), ("pow2", 300 + 256), ("oracle", 500)])
+def test_exact_placement_is_an_extra_without_rounding(policy, held):
+    """exact=True (not the paper's model) holds exactly the reservation: a 300 + 200 Oracle
+    reservation holds 500 slots and leaves the other 12 of its 512 block free."""
+    a = ReservationAllocator(4096, policy, 2048, exact=True)
+    assert a.name.endswith("(exact buddy)")
     assert a.admit(req(0, 300, 200))
     b = a.breakdown()
     assert b.total == 4096
@@ -56,11 +87,12 @@ def test_classic_buddy_rounding_is_internal_fragmentation(policy, held):
     assert a.breakdown() == Breakdown(0, 0, 0, 0, 4096)
 
 
-def test_exact_applies_to_reservations_only():
-    assert make_allocator("oracle", 10, 16, exact=False).buddy.exact is False
-    assert make_allocator("oracle", 10, 16).buddy.exact is True
+def test_classic_is_the_default_and_exact_applies_to_reservations_only():
+    assert make_allocator("oracle", 10, 16).buddy.exact is False
+    assert make_allocator("oracle", 10, 16, exact=True).buddy.exact is True
+    assert make_allocator("pow2", 10, 16).name == "Pow2"
     with pytest.raises(ValueError, match="not paged"):
-        make_allocator("paged", 10, 16, exact=False)
+        make_allocator("paged", 10, 16, exact=True)
     with pytest.raises(ValueError, match="paged allocator only"):
         make_allocator("max", 10, 16, enable_prefix_caching=False)
 
@@ -243,7 +275,7 @@ def test_fig2_workload_shares_sum_to_100_percent(exact):
 
     reqs = fig2.load("sharegpt", 120, seed=0)
     for name in ALLOCATORS:
-        if name == "paged" and not exact:
+        if name == "paged" and exact:
             continue
         res, m = fig2.run_one(reqs, name, exact=exact) if name != "paged" else fig2.run_one(reqs, name)
         assert sum(m.shares.values()) == pytest.approx(1.0, abs=1e-9), (name, exact, m.shares)

@@ -13,12 +13,37 @@ from pagedkv.sim.buddy import BuddyAllocator, aligned_pieces, order_for
 
 
 def test_worked_example_from_docstring():
+    """Classic placement (the default, the vLLM paper's assumption for Orca) holds the whole block."""
     b = BuddyAllocator(24)
+    assert b.exact is False
     assert b.free_blocks() == {4: 1, 3: 1}
+    assert b.alloc(5) == 16
+    assert b.size_of(16) == 8  # 5 rounded up to 2**3
+    assert b.free_slots == 16 and b.free_blocks() == {4: 1}
+    assert b.unusable_free(32) == 16 and b.unusable_free(16) == 0
+    b.free(16)
+    assert b.free_blocks() == {4: 1, 3: 1} and b.free_slots == 24
+    b.check()
+
+
+def test_worked_example_exact_placement():
+    """The extra model (not the paper's): the tail of the block goes back at once."""
+    b = BuddyAllocator(24, exact=True)
     assert b.alloc(5) == 16
     assert b.size_of(16) == 5
     assert b.free_slots == 19
+    assert b.free_blocks() == {4: 1, 0: 1, 1: 1}  # 1@21 and 2@22
     assert b.unusable_free(16) == 3  # 1@21 and 2@22 cannot hold 16; 16@0 can
+    b.check()
+
+
+def test_classic_reservation_of_the_paper_example():
+    """Pow2 for prompt 100 + output 25 reserves 132 slots; a classic buddy holds 256 of them."""
+    b = BuddyAllocator(1024)
+    off = b.alloc(132)
+    assert off == 0 and b.size_of(off) == 256 and b.allocated_slots == 256
+    assert b.alloc(125) == 256 and b.size_of(256) == 128  # Oracle's 125 holds 128
+    assert b.free_blocks() == {7: 1, 9: 1}  # 128@384 and 512@512 are left
     b.check()
 
 
@@ -44,7 +69,7 @@ def test_aligned_pieces_tile_and_align(a, b):
 
 
 def test_exact_vs_classic():
-    exact, classic = BuddyAllocator(1024), BuddyAllocator(1024, exact=False)
+    exact, classic = BuddyAllocator(1024, exact=True), BuddyAllocator(1024)
     assert exact.alloc(300) == 0 and classic.alloc(300) == 0
     assert exact.allocated_slots == 300 and classic.allocated_slots == 512
     # the exact tail (212 slots) serves small requests; classic has none of it left

@@ -245,9 +245,14 @@ def test_a_trace_of_the_wrong_kind_is_named_in_its_section(tmp_path, monkeypatch
 
 
 def test_simulate_replays_a_shipped_trace(capsys):
-    rc, out, _ = run(["simulate", "mooncake-trace", "--num-requests", "20", "--allocator", "paged",
-                      "--kv-gib", "40", "--rate", "0"], capsys)
-    assert rc == 0 and "mooncake-trace: 20 requests" in out
+    argv = ["simulate", "mooncake-trace", "--num-requests", "20", "--allocator", "paged", "--kv-gib", "40",
+            "--rate", "0"]
+    rc, out, _ = run(argv + ["--max-len", "131072"], capsys)
+    assert rc == 0 and "mooncake-trace (real trace: mooncake_conversation_trace.jsonl.gz): 20 requests" in out
+    # Under the default 2,048-token context most Mooncake prompts do not fit: counted, never cut.
+    rc, out, _ = run(argv, capsys)
+    assert rc == 0 and "): 2 requests" in out
+    assert "of 20 trace requests, 18 have a prompt of --max-len 2,048 tokens or more and are left out" in out
 
 
 def test_simulate_gzipped_trace_file(capsys, tmp_path):

@@ -24,6 +24,10 @@ from pagedkv.tables import TEXT_WIDTH, Section, Table, plain
 
 MIB = 2**20
 MARKUP = re.compile(r":[a-z]+:`|(?<!`)``(?!`)")  # a role, or a literal (not a ``` fence)
+EXPECTED_PLOTS = ("fork_cost_bytes", "cow_proof_error", "cow_proof_bytes", "fig2_breakdown", "fig2_saturated",
+                  "fig2_throughput", "fig2_load", "block_size_fragmentation", "fig15_sharing", "sharing_sharegpt",
+                  "prefix_hits_capacity", "prefix_hits_history", "chunked_prefix_hits", "chunked_memory",
+                  "spec_rollback")
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +55,10 @@ def test_quick_report_runs_every_section(quick_report):
     assert payload["options"]["quick"] is True and "progress" not in payload["options"]
     for key in SECTIONS:  # progress on stderr, one line as each section starts
         assert f"[pagedkv report] {key} (" in err
-    assert "prefix_hits, first 200: capacity 1/2" in err
+    assert "prefix_hits, 1,500 requests: capacity 1/3, " in err
+    progress_lines = [line for line in err.splitlines() if line.startswith("[pagedkv report]")]
+    assert max(map(len, progress_lines)) <= TEXT_WIDTH  # progress lines fit a terminal too
+    assert "fig2, ShareGPT-like: serving runs at" in err
     assert "done in" in err.splitlines()[-1]
 
 
@@ -79,10 +86,11 @@ def test_quick_report_markdown_and_pngs(quick_report):
     for name in pngs:
         assert (out_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"wrote {out_dir / name}" in err
-    # PNGs are named <section number>-<key>-<table number>-<title>.png
-    plotted = {name.split("-")[1] for name in pngs}
-    assert {"fork_cost", "fig2", "block_size", "sharing", "prefix_hits"} <= plotted
-    assert "02-cow_case" not in " ".join(pngs)  # a worked example has nothing to plot
+    # Short, stable names, one per plotted table, chosen by the section (the plot hint's name)
+    assert all(re.fullmatch(r"[a-z0-9_]{1,40}\.png", name) for name in pngs), pngs
+    assert set(pngs) == {f"{n}.png" for n in EXPECTED_PLOTS}
+    named = [t["plot"] for s in payload["sections"] for t in s["tables"] if t["plot"]]
+    assert sorted(named) == sorted(EXPECTED_PLOTS)  # each table names its own PNG in report.json
     assert MARKUP.search(md) is None
 
 
@@ -104,18 +112,21 @@ def test_fork_cost_section_quick():
     assert t.column("blocks shared") == [8, 32, 128]
     assert t.column("blocks allocated") == [0, 0, 0]  # a fork allocates nothing
     assert t.column("eager copy MiB") == [n * kv / MIB for n in (128, 512, 2048)]
-    assert t.column("1st-write copy MiB (last block full)") == [0, 0, 0]
-    assert t.column("(last block partial)") == [16 * kv / MIB] * 3  # one 16-token block: 2 MiB
+    assert t.column("paged fork MiB") == [0, 0, 0]  # measured: the fork queued no copy
+    assert t.column("1st write MiB, last block full") == [0, 0, 0]
+    assert t.column("1st write MiB, last block partial") == [16 * kv / MIB] * 3  # one 16-token block: 2 MiB
+    assert t.plot["name"] == "fork_cost_bytes" and t.plot["ymin"] == 0
+    assert t.plot["y"] == ["eager copy MiB", "paged fork MiB", "1st write MiB, last block partial"]
     assert all(v > 0 for v in t.column("fork µs (median)"))
     assert sec.data["blocks_allocated_by_fork"] == 0 and sec.data["longest_tokens"] == 2048
-    assert sec.data["longest_eager_copy_mib"] == 256.0
+    assert sec.data["longest_eager_copy_mib"] == 256.0 and sec.data["fork_copy_mib"] == 0
 
 
 def test_fork_cost_follows_block_size_and_model():
     sec = fork_cost.section(ReportOptions(quick=True, block_size=32, model="OPT-13B"))
     t = sec.tables[0]
     assert t.column("blocks shared") == [4, 16, 64]
-    assert t.column("(last block partial)") == [32 * 819_200 / MIB] * 3  # 25 MiB
+    assert t.column("1st write MiB, last block partial") == [32 * 819_200 / MIB] * 3  # 25 MiB
     assert "OPT-13B" in t.title
 
 
@@ -149,18 +160,44 @@ def test_plot_table_draws_what_the_hint_names(tmp_path):
     from pagedkv.report.plots import plot_available, plot_table
 
     assert plot_available()
-    line = Table("A line: x vs y", ["x", "y", "z"], plot={"x": "x", "y": ["y", "z"], "logx": True, "logy": True})
+    line = Table("A line: x vs y", ["x", "y", "z", "ideal"],
+                 plot={"name": "a_line", "x": "x", "y": ["y", "z"], "logx": True, "ymin": 0,
+                       "hline": ["ideal", "unbounded"]})
     for i in (1, 2, 4):
-        line.add(i, i * 1.5, None)  # a missing cell is a gap, not an error
-    path = plot_table(line, tmp_path, "01-line")
-    assert path == tmp_path / "01-line-a-line-x-vs-y.png" and path.read_bytes()[:4] == b"\x89PNG"
-    bar = Table("Bars", ["run", "a %", "b %"], plot={"x": "run", "y": ["a %", "b %"], "kind": "bar"})
-    bar.add("Max", 20.0, 10.0)
-    bar.add("paged", 96.0, 0.0)
-    assert plot_table(bar, tmp_path, "02").name == "02-bars.png"
-    assert plot_table(Table("no hint", ["x"], rows=[[1]]), tmp_path, "03") is None
-    assert plot_table(Table("no rows", ["x", "y"], plot={"x": "x", "y": ["y"]}), tmp_path, "04") is None
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["01-line-a-line-x-vs-y.png", "02-bars.png"]
+        line.add(i, i * 1.5, None, 9.0)  # a missing cell is a gap, not an error
+    path = plot_table(line, tmp_path)
+    assert path == tmp_path / "a_line.png" and path.read_bytes()[:4] == b"\x89PNG"
+    stacked = Table("Stacked", ["run", "a %", "b %", "lo", "hi", "paper"],
+                    plot={"name": "stack", "x": "run", "y": ["a %", "b %"], "kind": "stacked",
+                          "marker": "paper", "band": {"a %": ["lo", "hi"]}})
+    stacked.add("Max", 20.0, 80.0, 18.0, 23.0, 20.4)
+    stacked.add("paged", 96.0, 4.0, None, None, None)
+    bars = Table("Bars", ["run", "a %", "lo", "hi", "p lo", "p hi", "n"],
+                 plot={"name": "bars", "x": "run", "y": ["a %"], "kind": "bar", "annotate": "n",
+                       "band": {"a %": ["lo", "hi"]}, "ref_range": ["p lo", "p hi"]})
+    bars.add("n=2", 17.0, 16.0, 24.0, 16.2, 30.5, 7)
+    assert plot_table(stacked, tmp_path).name == "stack.png"
+    assert plot_table(bars, tmp_path).name == "bars.png"
+    assert plot_table(Table("no hint", ["x"], rows=[[1]]), tmp_path) is None
+    assert plot_table(Table("no rows", ["x", "y"], plot={"name": "empty", "x": "x", "y": ["y"]}), tmp_path) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_line.png", "bars.png", "stack.png"]
+
+
+@pytest.mark.parametrize("name", [None, "Has Caps", "x" * 41, "a-b", ""])
+def test_a_plot_needs_a_short_stable_name(name):
+    from pagedkv.report.plots import plot_name
+
+    hint = {"x": "x", "y": ["y"]} if name is None else {"name": name, "x": "x", "y": ["y"]}
+    with pytest.raises(ValueError, match="short lowercase name"):
+        plot_name(Table("t", ["x", "y"], rows=[[1, 2]], plot=hint))
+
+
+def test_two_plots_of_one_name_are_refused(tmp_path):
+    t1 = Table("one", ["x", "y"], rows=[[1, 2]], plot={"name": "same", "x": "x", "y": ["y"]})
+    t2 = Table("two", ["x", "y"], rows=[[1, 2]], plot={"name": "same", "x": "x", "y": ["y"]})
+    with pytest.raises(ValueError, match="two plots are named same"):
+        write_report([Section("a", "A", tables=[t1]), Section("b", "B", tables=[t2])], ReportOptions(), tmp_path)
+    assert not (tmp_path / "report.md").exists()  # refused before anything is written
 
 
 def test_plots_are_optional(tmp_path, monkeypatch, capsys):

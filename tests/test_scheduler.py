@@ -45,9 +45,10 @@ def test_arrivals_are_respected_and_idle_gaps_recorded():
 
 
 def test_fcfs_head_blocks_smaller_followers():
-    # 64 slots, Oracle: r0 (40) runs; r1 (40) cannot fit and must block r2 (4), which would fit
+    # 64 slots, Oracle placed exactly (no buddy rounding): r0 (40) runs; r1 (40) cannot fit and
+    # must block r2 (4), which would fit in the 24 slots left
     reqs = [req(0, 30, 10), req(1, 30, 10), req(2, 2, 2)]
-    res = simulate(reqs, ReservationAllocator(64, "oracle", 64), FREE, max_len=64)
+    res = simulate(reqs, ReservationAllocator(64, "oracle", 64, exact=True), FREE, max_len=64)
     s = res.steps
     assert s.running[:10].tolist() == [1] * 10  # r2 never jumped the queue
     assert s.blocked[0] and s.category("external_fragmentation")[0] == 24  # 24 free slots, need 64-block

@@ -392,3 +392,17 @@ def test_traces_load_from_a_zipped_package(tmp_path):
                          capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["mooncake_conversation_trace.jsonl.gz", "3", "True"]
+
+
+def test_trace_lengths_match_the_loaders(tmp_path):
+    from pagedkv.sim.traces import load_trace, trace_lengths
+
+    for name in ("azure-code", "mooncake"):
+        path = trace_path(name)
+        reqs = load_trace(path)
+        prompts, outputs = trace_lengths(path)
+        assert sorted(zip(prompts, outputs)) == sorted((r.prompt_len, r.output_len) for r in reqs)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0]}\n{"input_length": 3}\n')
+    with pytest.raises(TraceFormatError, match="bad.jsonl:2"):
+        trace_lengths(bad)

@@ -196,3 +196,71 @@ def test_sample_lengths_errors():
         sample_lengths("azure-code", 5, rng, max_len=8)
     p, o = sample_lengths("alpaca", 0, rng)
     assert len(p) == len(o) == 0
+
+
+# ---- the length spread: varied over what the real traces show ------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+@pytest.mark.parametrize("log_sd", [0.85, 1.36])
+def test_log_sd_changes_the_spread_not_the_means(name, log_sd):
+    """Same tolerance as the means test (2.5%; the standard error grows with the log-sd: at 1.36,
+    CV = sqrt(e**1.85 - 1) = 2.3, SE 1.2%, so 2.5% is still two standard errors)."""
+    p, o = lens(load_workload(name, N, seed=5, max_len=2048, log_sd=log_sd))
+    want_p, want_o = PUBLISHED[name]
+    assert p.mean() == pytest.approx(want_p, rel=0.025) and o.mean() == pytest.approx(want_o, rel=0.025)
+    # the spread moves the log-sd of what is drawn (clamp and rounding keep it a little below)
+    assert log_sd * 0.8 < np.log(o).std() < log_sd * 1.05
+    narrow, _ = lens(load_workload(name, 5000, seed=5, log_sd=0.5))
+    wide, _ = lens(load_workload(name, 5000, seed=5, log_sd=1.5))
+    assert np.log(wide).std() > 2 * np.log(narrow).std()
+
+
+def test_log_sd_is_for_lognormal_workloads_only():
+    with pytest.raises(ValueError, match="lognormal workloads"):
+        load_workload("azure-conv", 10, log_sd=1.0)
+    with pytest.raises(ValueError, match="lognormal workloads"):
+        sample_lengths("azure-code", 10, np.random.default_rng(0), log_sd=1.0)
+    for bad in (0, -1.0, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="log_sd"):
+            load_workload("sharegpt", 10, log_sd=bad)
+    # the default is the assumed spread, exactly
+    assert lens(load_workload("sharegpt", 50, seed=1, log_sd=LOGNORMAL_SPECS["sharegpt"].output_sigma))[0].tolist() \
+        == lens(load_workload("sharegpt", 50, seed=1))[0].tolist()
+
+
+def test_over_limit_share_is_what_the_sampler_redraws():
+    from pagedkv.sim.workloads import _SOLVER_SAMPLES, over_limit_share
+
+    share = over_limit_share("sharegpt", 2048)
+    assert 0.015 < share < 0.03  # the solver docstring's "2% of draws at 2048"
+    assert over_limit_share("sharegpt", 2048, 1.36) > share > over_limit_share("sharegpt", 2048, 0.85)
+    assert over_limit_share("alpaca", 2048) * _SOLVER_SAMPLES < 10  # Alpaca almost never exceeds it
+    # An independent count: draw from the solved lognormal without the limit and count what exceeds it
+    spec = LOGNORMAL_SPECS["sharegpt"]
+    mu_p, mu_o = solve_lognormal_mu(spec.prompt_mean, spec.output_mean, 1.0, 1.0, 2048)
+    z = np.random.default_rng(11).standard_normal((2, 400_000))
+    p = np.maximum(1, np.rint(np.exp(mu_p + z[0])))
+    o = np.maximum(1, np.rint(np.exp(mu_o + z[1])))
+    assert ((p + o) > 2048).mean() == pytest.approx(share, abs=0.002)  # 3 SE of a 400k-draw share
+
+
+def test_measured_log_sds_from_the_shipped_traces():
+    """Computed from the files, checked against an independent numpy pass over the same files."""
+    from pagedkv.sim.workloads import log_sd_range, measured_log_sds
+
+    sds = measured_log_sds()
+    assert set(sds) == {"azure-conv", "azure-code", "mooncake"}
+    for name in ("azure-conv", "azure-code"):
+        a = np.array([(r.prompt_len, r.output_len) for r in load_azure_csv(trace_path(name))], dtype=float)
+        assert sds[name][:2] == pytest.approx((np.log(a[:, 0]).std(), np.log(a[a[:, 1] >= 1, 1]).std()))
+        assert sds[name][2] == len(a)
+    lo, hi = log_sd_range()
+    assert lo == min(min(p, o) for p, o, _ in sds.values()) and hi == max(max(p, o) for p, o, _ in sds.values())
+    assert 0.8 < lo < LOGNORMAL_SPECS["sharegpt"].output_sigma < hi < 1.4
+
+
+def test_no_traces_no_spread(tmp_path):
+    from pagedkv.sim.workloads import log_sd_range, measured_log_sds
+
+    assert measured_log_sds(tmp_path) == {} and log_sd_range(tmp_path) is None

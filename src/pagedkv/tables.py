@@ -90,8 +90,9 @@ def fmt(value: Any) -> str:
 class Table:
     """A titled grid of results.
 
-    ``plot`` optionally says how to draw it: ``{"x": column, "y": [columns], "kind": "line"|"bar",
-    "logx": bool, "logy": bool, "ylabel": str}``. Columns named in ``plot`` must hold numbers.
+    ``plot`` optionally says how to draw it: ``{"name": file stem, "x": column, "y": [columns],
+    "kind": "line"|"bar"|"stacked", ...}`` (every key: :mod:`pagedkv.report.plots`). Columns named
+    in ``plot`` must hold numbers (None draws nothing).
     """
 
     title: str
@@ -141,6 +142,7 @@ class Table:
             "columns": list(self.columns),
             "rows": [list(r) for r in self.rows],
             "notes": [plain(n) for n in self.notes],
+            "plot": self.plot.get("name") if self.plot else None,  # the PNG's stem, when drawn
         }
 
 

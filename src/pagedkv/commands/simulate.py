@@ -2,18 +2,24 @@
 
 Examples::
 
-    pagedkv simulate sharegpt --allocator all --num-requests 500
+    pagedkv simulate                                   # ShareGPT-like, the vLLM paper's setup
     pagedkv simulate azure-conv-trace --num-requests 2000 --rate 4 --progress
     pagedkv simulate my_trace.jsonl.gz --num-requests 1000
-    pagedkv simulate alpaca --beam-width 4 --model OPT-13B --kv-gib 12
+    pagedkv simulate alpaca --beam-width 4
+    pagedkv simulate sharegpt --model Llama-3.1-8B --gpu-mem-gib 80 --bandwidth-tbs 3.35 --tflops 989
 
-``azure-conv-trace``, ``azure-code-trace`` and ``mooncake-trace`` replay the public traces shipped
-with pagedkv (``azure-conv`` and ``azure-code`` are synthetic twins of the Azure traces' lengths).
+``sharegpt``, ``alpaca``, ``azure-conv`` and ``azure-code`` are synthetic: lognormal lengths with
+the published means (ShareGPT, Alpaca) or lengths drawn from the Azure traces' percentiles.
+``azure-conv-trace``, ``azure-code-trace`` and ``mooncake-trace`` replay the real traces shipped
+with pagedkv; a file path replays your own. The output says which kind it ran.
 
-The KV memory is what the model leaves on the GPU (``--gpu-mem-gib`` x ``--util`` - weights, as
-``pagedkv size`` computes it) or ``--kv-gib``; step times come from the bandwidth cost model
-(H100 defaults). The table gives each allocator's time-weighted memory breakdown while requests
-wait, its batch size and its throughput.
+Defaults are the vLLM paper's setup, where KV memory limits the batch: OPT-13B on an A100-40GB
+(40 GiB x 0.9 - 23.9 GiB of weights = 12 GiB of KV, 15,728 token slots; 1.555 TB/s, 312 TFLOP/s),
+a 2,048-token context, and every request of a built-in workload at t = 0 (saturated). The KV
+memory is what the model leaves on the GPU (``--gpu-mem-gib`` x ``--util`` - weights, as ``pagedkv
+size`` computes it) or ``--kv-gib``; step times come from the bandwidth cost model. The table gives
+each allocator's time-weighted memory breakdown while requests wait, its batch size and its
+throughput, and what paging serves against each reservation.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ from pathlib import Path
 
 from ..sim import sizing
 from ..sim.baselines import ALLOCATORS, make_allocator
-from ..sim.costmodel import H100_BF16_FLOPS, H100_HBM_BYTES_PER_S, CostModel
+from ..sim.costmodel import A100_40GB_HBM_BYTES_PER_S, A100_BF16_FLOPS, CostModel
 from ..sim.metrics import compute
 from ..sim.scheduler import GUARD_PRESETS, simulate
 from ..tables import Table
@@ -44,8 +50,10 @@ SHIPPED_TRACES = {"azure-conv-trace": "azure-conv", "azure-code-trace": "azure-c
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Register ``simulate``'s options on ``p``."""
-    p.add_argument("workload", help="built-in workload (sharegpt, alpaca, azure-conv, azure-code), a shipped "
-                                    "trace (azure-conv-trace, azure-code-trace, mooncake-trace) or a trace file")
+    p.add_argument("workload", nargs="?", default="sharegpt",
+                   help="synthetic workload (sharegpt, alpaca, azure-conv, azure-code), a real trace shipped "
+                        "with pagedkv (azure-conv-trace, azure-code-trace, mooncake-trace) or a trace file "
+                        "(default: sharegpt)")
     p.add_argument("--allocator", default="all", choices=[*ALLOCATORS, "all"], help="default: all four")
     p.add_argument("--num-requests", type=int, default=500, help="requests to serve (default 500)")
     p.add_argument("--rate", type=float, default=None,
@@ -56,13 +64,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences cap (default 256)")
     p.add_argument("--n", type=int, default=1, help="parallel samples per request")
     p.add_argument("--beam-width", type=int, default=1, help="beam width per request")
-    p.add_argument("--model", default="Llama-3.1-8B", help="built-in model for KV and weight bytes")
-    p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="GPU memory (default 80, an H100)")
+    p.add_argument("--model", default="OPT-13B",
+                   help="built-in model for KV and weight bytes (default OPT-13B, the vLLM paper's)")
+    p.add_argument("--gpu-mem-gib", type=float, default=40.0, help="GPU memory (default 40, an A100-40GB)")
     p.add_argument("--util", type=float, default=0.9, help="memory utilisation (default 0.9)")
     p.add_argument("--kv-gib", type=float, default=None, help="KV budget in GiB instead of GPU memory")
-    p.add_argument("--bandwidth-tbs", type=float, default=H100_HBM_BYTES_PER_S / 1e12,
-                   help="HBM bandwidth in TB/s (default 3.35, H100 SXM)")
-    p.add_argument("--tflops", type=float, default=H100_BF16_FLOPS / 1e12, help="peak TFLOP/s for prefill")
+    p.add_argument("--bandwidth-tbs", type=float, default=A100_40GB_HBM_BYTES_PER_S / 1e12,
+                   help="HBM bandwidth in TB/s (default 1.555, A100-40GB)")
+    p.add_argument("--tflops", type=float, default=A100_BF16_FLOPS / 1e12,
+                   help="peak TFLOP/s for prefill (default 312, A100 BF16)")
     p.add_argument("--overhead-ms", type=float, default=1.0, help="fixed overhead per iteration (ms)")
     p.add_argument("--no-prefix-caching", action="store_true", help="paged: turn prefix caching off")
     p.add_argument("--guards", default="vllm", choices=list(GUARD_PRESETS),
@@ -136,57 +146,107 @@ def _memory(args: argparse.Namespace) -> tuple[int, CostModel]:
     return cap.num_blocks, cost
 
 
-def _source(args: argparse.Namespace) -> str | Path:
-    """The workload name or the trace file the positional argument names."""
+def _source(args: argparse.Namespace) -> tuple[str | Path, str]:
+    """The workload name or the trace file the positional argument names, and what it is in words
+    (synthetic or a real trace)."""
     from ..sim.traces import trace_path
-    from ..sim.workloads import BUILTIN_WORKLOADS
+    from ..sim.workloads import BUILTIN_WORKLOADS, LOGNORMAL_SPECS
 
     name = args.workload
     if name.lower() in BUILTIN_WORKLOADS:
-        return name
+        if name.lower() in LOGNORMAL_SPECS:
+            spec = LOGNORMAL_SPECS[name.lower()]
+            what = (f"synthetic: lognormal lengths, mean prompt {spec.prompt_mean:g} and output "
+                    f"{spec.output_mean:g} tokens as published, log-sd {spec.output_sigma:g} assumed")
+        else:
+            what = "synthetic: lengths drawn from the real Azure trace's percentiles"
+        return name.lower(), what
     if name.lower() in SHIPPED_TRACES:
         path = trace_path(SHIPPED_TRACES[name.lower()], args.data_dir)
         if path is None:
             raise UsageError(f"{name}: the trace is not in {args.data_dir or 'the data directory'}")
-        return path
+        return path, f"real trace: {path.name}"
     if not Path(name).is_file():
         raise UsageError(f"{name!r} is neither a workload ({', '.join([*BUILTIN_WORKLOADS, *SHIPPED_TRACES])}) "
                          "nor a trace file")
-    return Path(name)
+    return Path(name), f"real trace file: {Path(name).name}"
 
 
-def _requests(args: argparse.Namespace) -> list:
-    from ..sim.workloads import load_workload
+def _requests(args: argparse.Namespace) -> tuple[list, str, list[str]]:
+    """(requests, their source in words, notes on arrivals and on requests over --max-len)."""
+    from ..report.fig2 import fit_to_model
+    from ..sim.workloads import LOGNORMAL_SPECS, load_workload, over_limit_share
 
+    src, what = _source(args)
     rate = args.rate if args.rate else None
-    reqs = load_workload(_source(args), args.num_requests, args.seed, max_len=args.max_len, rate=rate,
-                         n=args.n, beam_width=args.beam_width)
-    if args.rate == 0:
+    notes = []
+    if isinstance(src, str):
+        reqs = load_workload(src, args.num_requests, args.seed, max_len=args.max_len, rate=rate,
+                             n=args.n, beam_width=args.beam_width)
+        if src in LOGNORMAL_SPECS:
+            share = over_limit_share(src, args.max_len)
+            notes.append(f"{100 * share:.1f}% of lognormal draws exceed --max-len {args.max_len:,} and are "
+                         "redrawn (the means are re-solved to stay the published ones)")
+    else:
+        raw = load_workload(src, args.num_requests, args.seed, rate=rate, n=args.n, beam_width=args.beam_width)
+        reqs, rejected, stopped = fit_to_model(raw, args.max_len)
+        if rejected or stopped:
+            notes.append(f"of {len(raw):,} trace requests, {rejected:,} have a prompt of --max-len "
+                         f"{args.max_len:,} tokens or more and are left out, {stopped:,} stop generating at "
+                         f"--max-len (output shortened); {len(reqs):,} served")
+        if not reqs:
+            raise UsageError(f"no request of {src.name} fits --max-len {args.max_len:,}")
+    if args.rate == 0 or (rate is None and isinstance(src, str)):
         reqs = [replace(r, arrival=0.0) for r in reqs]
-    return reqs
+        notes.append("every request arrives at t = 0: the server is saturated, so memory, not demand, "
+                     "limits the batch")
+    elif rate is not None:
+        notes.append(f"Poisson arrivals at {rate:g} requests/s")
+    else:
+        notes.append("arrivals at the trace's own timestamps")
+    return reqs, what, notes
 
 
-def _table(args: argparse.Namespace, num_blocks: int, cost: CostModel, reqs: list) -> Table:
+def _table(args: argparse.Namespace, num_blocks: int, cost: CostModel, reqs: list, what: str,
+           workload_notes: list[str]) -> Table:
     t = Table(
-        f"{args.workload}: {len(reqs)} requests on {num_blocks * args.block_size:,} KV slots ({cost.model})",
+        f"{args.workload} ({what}): {len(reqs):,} requests on {num_blocks * args.block_size:,} KV slots "
+        f"({cost.model})",
         ["allocator", "token states %", "reserved %", "internal frag %", "external frag %", "free %",
-         "avg batch", "requests/s", "tokens/s", "preemptions", "prefix hit %", "sharing saved %"],
-        plot={"x": "allocator", "y": ["token states %"], "kind": "bar", "ylabel": "% of KV memory"},
+         "avg batch", "requests/s", "tokens/s", "paged x this", "preemptions", "prefix hit %",
+         "sharing saved %"],
+        plot={"name": "simulate_breakdown", "x": "allocator", "y": ["token states %"], "kind": "bar",
+              "ylabel": "% of KV memory"},
     )
     names = ALLOCATORS if args.allocator == "all" else (args.allocator,)
+    metrics = {}
     for name in names:
         kw = {"enable_prefix_caching": not args.no_prefix_caching, "beam_seed": args.seed} if name == "paged" else {}
         alloc = make_allocator(name, num_blocks, args.block_size, args.max_len, **kw)
         res = simulate(reqs, alloc, cost, max_len=args.max_len, max_num_seqs=args.max_num_seqs,
                        progress=args.progress, guards=GUARD_PRESETS[args.guards])
-        m = compute(res)
+        metrics[alloc.name] = (res, compute(res))
+    paged = metrics.get("paged")
+    for name, (res, m) in metrics.items():
         sh = {k: round(100 * v, 1) for k, v in m.shares.items()}
-        t.add(alloc.name, sh["token_states"], sh["reserved"], sh["internal_fragmentation"],
+        gain = round(paged[1].throughput_rps / m.throughput_rps, 2) if paged and m.throughput_rps else None
+        t.add(name, sh["token_states"], sh["reserved"], sh["internal_fragmentation"],
               sh["external_fragmentation"], sh["free"], round(m.avg_batch, 1), round(m.throughput_rps, 3),
-              round(m.tokens_per_s, 1), m.preemptions, round(100 * m.prefix_hit_rate, 1),
+              round(m.tokens_per_s, 1), gain, m.preemptions, round(100 * m.prefix_hit_rate, 1),
               round(100 * m.sharing_saving, 1))
         if res.dropped:
-            t.notes.append(f"{alloc.name}: {res.dropped} requests could never fit and were dropped")
+            t.notes.append(f"{name}: {res.dropped} requests could never fit and were dropped")
+    if paged and len(metrics) > 1:
+        others = [(n, m) for n, (_, m) in metrics.items() if n != "paged"]
+        t.notes.insert(0, "What paging buys: " + ", ".join(
+            f"{paged[1].throughput_rps / m.throughput_rps:.2f}x the requests/s of {n}" for n, m in others
+            if m.throughput_rps) + f" (token states {100 * paged[1].token_share:.1f}% of KV memory vs "
+            + ", ".join(f"{100 * m.token_share:.1f}% for {n}" for n, m in others) + ").")
+    t.notes += workload_notes
+    if any(n != "paged" for n in metrics):
+        t.notes.append("Reservations (vLLM paper 6.1): Max reserves --max-len, Pow2 the prompt + the output "
+                       "rounded up to a power of two, Oracle the prompt + the true output, each placed by a "
+                       "classic buddy allocator")
     t.notes.append(f"shares time-weighted over iterations with requests waiting (all busy ones if none); "
                    f"cost model {cost.describe()}")
     return t
@@ -197,6 +257,6 @@ def run(args: argparse.Namespace) -> int:
     """Print the table; 0 on success, 2 with one line on stderr for bad input."""
     _check(args)
     num_blocks, cost = _memory(args)
-    reqs = _requests(args)
-    print(_table(args, num_blocks, cost, reqs).to_text())
+    reqs, what, notes = _requests(args)
+    print(_table(args, num_blocks, cost, reqs, what, notes).to_text())
     return 0

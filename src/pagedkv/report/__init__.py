@@ -63,17 +63,22 @@ def render_text(sections: list[Section]) -> str:
 
 
 def write_report(sections: list[Section], opts: ReportOptions, out_dir: Path) -> list[Path]:
-    """Write report.json, report.md and (with matplotlib) one PNG per plottable table."""
-    from .plots import plot_available, plot_table
+    """Write report.json, report.md and (with matplotlib) one PNG per plottable table, named by
+    its hint (``fig2_breakdown.png``); two plots of one name are a ValueError."""
+    from .plots import plot_available, plot_name, plot_table
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     pngs: dict[int, list[Path]] = {}
+    names = [plot_name(t) for sec in sections for t in sec.tables if t.plot and t.rows]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"two plots are named {', '.join(repeated)}: each table's plot needs its own name")
     if plot_available():
         for i, sec in enumerate(sections):
-            for j, table in enumerate(sec.tables):
-                path = plot_table(table, out_dir, f"{i + 1:02d}-{sec.key}-{j + 1}")
+            for table in sec.tables:
+                path = plot_table(table, out_dir)
                 if path is not None:
                     pngs.setdefault(i, []).append(path)
                     written.append(path)

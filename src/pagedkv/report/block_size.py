@@ -59,15 +59,16 @@ def section(opts: ReportOptions) -> Section:
     """Sweep the block size over a ShareGPT-like workload on the real manager."""
     if not isinstance(opts, ReportOptions):
         raise ValueError(f"opts must be ReportOptions, got {type(opts).__name__}")
-    n = 60 if opts.quick else 300
+    n = 40 if opts.quick else 150
     reqs = load("sharegpt", n, opts.seed)
     t = Table(
         "Internal fragmentation and block-table size against block size (ShareGPT-like, paged)",
         ["block size", "blocks", "internal frag %", "(bs-1)/2 model %", "token states %", "avg batch",
          "table entries/seq", "table bytes/seq", "table bytes @2048", "all tables KiB", "block MiB",
          "requests/s", "preemptions"],
-        plot={"x": "block size", "y": ["internal frag %", "(bs-1)/2 model %"], "kind": "line", "logx": True,
-              "ylabel": "% of allocated slots unused"},
+        plot={"name": "block_size_fragmentation", "x": "block size",
+              "y": ["internal frag %", "(bs-1)/2 model %"], "kind": "line", "logx": True, "ymin": 0,
+              "ylabel": "% of allocated slots unused", "xlabel": "block size (tokens, log scale)"},
     )
     data = {}
     kv_bytes = sizing.kv_bytes_per_token(opts.model)

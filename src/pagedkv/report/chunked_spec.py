@@ -109,7 +109,8 @@ def _timeline_table(rows, bs) -> Table:
     t = Table(f"(a) publishing: {n}-token prompt A in chunks of {chunk}, block size {bs}; "
               f"B shares A's first {shared}",
               list(rows[0]),
-              plot={"x": "step", "y": ["B hits", "B hits, whole"], "kind": "line",
+              plot={"name": "chunked_prefix_hits", "x": "step", "y": ["B hits", "B hits, whole"], "kind": "line",
+                    "ymin": 0,
                     "ylabel": "tokens B would hit"})
     for r in rows:
         t.add(*r.values())
@@ -154,7 +155,7 @@ def _memory_table(rows, bs, block_bytes, model, data) -> Table:
               f"(MiB: {model})",
               ["chunk", "computed", "blocks chunked", "blocks whole", "MiB chunked", "MiB whole",
                "chunked / whole %"],
-              plot={"x": "computed", "y": ["MiB chunked", "MiB whole"], "kind": "line",
+              plot={"name": "chunked_memory", "x": "computed", "y": ["MiB chunked", "MiB whole"], "kind": "line",
                     "ylabel": f"KV MiB held ({model})"})
     for i, (done, a, b) in enumerate(rows):
         t.add(i + 1, done, a, b, a * block_bytes / MIB, b * block_bytes / MIB, 100 * a / b)
@@ -249,7 +250,10 @@ def _rollback_table(runs, block_bytes, model, seqs, steps) -> Table:
               f"probability p",
               ["p", "k", "accepted %", "tok/step", "freed", "MiB freed", "wrong blk", "wrong tok",
                "published", "pub. wrong"],
-              plot={"x": "p", "y": ["freed", "wrong blk"], "kind": "bar", "ylabel": "blocks"})
+              plot={"name": "spec_rollback", "x": "p", "xlabels": ["k", "p"], "y": ["freed", "wrong blk"],
+                    "kind": "bar", "ylabel": "blocks", "xlabel": "drafts per step k, each right with probability p",
+                    "legend": {"freed": "blocks accept() freed (held only rejected drafts)",
+                               "wrong blk": "blocks that would hold wrong tokens without rollback"}})
     for r in runs:
         verifies = len(r.records)
         t.add(r.p, r.k, 100 * r.accepted / r.drafts, (r.accepted + verifies) / verifies, r.freed,

@@ -94,7 +94,7 @@ def section(opts: ReportOptions) -> Section:
 def _error_table(measured, steps) -> Table:
     t = Table("logit error against the dense reference",
               ["run", "sequences", "steps", "max |Δ logit|", f"sequences off by > {DIVERGED:g}"],
-              plot={"x": "run", "y": ["max |Δ logit|"], "kind": "bar", "logy": True,
+              plot={"name": "cow_proof_error", "x": "run", "y": ["max |Δ logit|"], "kind": "bar", "logy": True,
                     "ylabel": "largest logit error (log scale)"})
     for name, errs, _, _ in measured:
         t.add(name, len(errs), steps, max(errs), sum(e > DIVERGED for e in errs))
@@ -108,7 +108,8 @@ def _bytes_table(measured, tiny_block, model_block, model_name) -> Table:
               f"{model_block:,} B/block)",
               ["run", "forks", "CoW blocks", "eager blocks", "CoW bytes", "eager bytes",
                "CoW MiB", "eager MiB", "eager / CoW"],
-              plot={"x": "run", "y": ["CoW MiB", "eager MiB"], "kind": "bar",
+              plot={"name": "cow_proof_bytes", "x": "run", "y": ["CoW MiB", "eager MiB"], "kind": "bar",
+                    "annotate_values": True,
                     "ylabel": f"MiB moved ({model_name})"})
     for name, _, st, _ in measured:
         if "in place" in name:

@@ -51,6 +51,7 @@ def _fork_row(length: int, block_size: int, kv_bytes: int, reps: int) -> list:
     fork_us = _median_fork_us(m, reps)
     m.fork("parent", "child")
     allocated = free_before - m.num_free_blocks
+    fork_copies = len(m.take_copies())  # what the fork itself queued for the engine to copy
     blocks = len(m.block_table("parent"))
     block_mib = block_size * kv_bytes / MIB
     return [
@@ -60,6 +61,7 @@ def _fork_row(length: int, block_size: int, kv_bytes: int, reps: int) -> list:
         round(fork_us * 1e3 / blocks, 1),
         allocated,
         length * kv_bytes / MIB,
+        fork_copies * block_mib,
         _first_write_copies(length, block_size) * block_mib,
         _first_write_copies(length + 1, block_size) * block_mib,
     ]
@@ -81,16 +83,22 @@ def section(opts: ReportOptions) -> Section:
             "ns per block",
             "blocks allocated",
             "eager copy MiB",
-            "1st-write copy MiB (last block full)",
-            "(last block partial)",
+            "paged fork MiB",
+            "1st write MiB, last block full",
+            "1st write MiB, last block partial",
         ],
-        plot={"x": "tokens", "y": ["fork µs (median)"], "kind": "line", "logx": True, "logy": True,
-              "ylabel": "µs"},
+        plot={"name": "fork_cost_bytes", "x": "tokens", "y": ["eager copy MiB", "paged fork MiB",
+                                                              "1st write MiB, last block partial"],
+              "kind": "bar", "annotate_values": True, "ymin": 0, "ylabel": f"MiB of {opts.model} KV moved",
+              "xlabel": "tokens in the forked sequence",
+              "title": f"Bytes moved to fork a sequence: an eager copy vs a paged fork (zero; the first "
+                       f"write into a partial last block copies one {bs}-token block)"},
     )
     for length in lengths:
         table.add(*_fork_row(length, bs, kv_bytes, reps))
     table.notes.append(
-        "fork = one refcount increment per block; nothing is allocated and no KV moves. "
+        "fork = one refcount increment per block; nothing is allocated and no KV moves (paged fork "
+        "MiB: the copies the fork queued, measured). "
         "A child's first write copies one block when the shared last block is partial "
         "(last column: a parent one token longer), nothing when it is full."
     )
@@ -109,6 +117,7 @@ def section(opts: ReportOptions) -> Section:
             "longest_tokens": last[0],
             "longest_fork_us": last[2],
             "longest_eager_copy_mib": last[5],
+            "fork_copy_mib": max(r[6] for r in table.rows),
             "blocks_allocated_by_fork": max(r[4] for r in table.rows),
         },
     )

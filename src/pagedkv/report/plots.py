@@ -1,17 +1,46 @@
 """PNG plots of report tables (matplotlib, an optional extra: ``pip install "pagedkv[plot]"``).
 
 A table opts in with a ``plot`` hint; this module only draws what the hint names, so a plot can
-never show a number the table does not.
+never show a number the table does not. The hint (see :class:`~pagedkv.tables.Table`):
+
+- ``name``: the file's stem, short and stable (``fig2_breakdown`` -> ``fig2_breakdown.png``);
+- ``x``, ``y`` (columns), ``kind``: ``"line"``, ``"bar"`` (grouped) or ``"stacked"`` (each row one
+  bar, the ``y`` columns stacked; they should sum to 100);
+- ``marker``: a column of reference values (the paper's), drawn as a black line across each bar
+  (or a diamond on a line plot); a missing value draws nothing; ``marker_label`` names it in the
+  legend;
+- ``band``: ``{y column: [low column, high column]}``, drawn as an error bar from low to high
+  (for ``stacked``, on top of the first ``y`` segment), named ``band_label`` in the legend;
+  ``bands`` (bars): more ranges around the first ``y`` series, ``[{"cols": [low, high], "label":
+  ..., "colour": ..., "offset": ...}]``, drawn beside it;
+- ``ref_range``: ``[low column, high column]``, a published range drawn as a grey span beside the
+  bar, named ``ref_label`` in the legend;
+- ``annotate``: a column whose values are written above the bars (``annotate_format``, e.g.
+  ``"batch {}"``);
+- ``xlabels``: columns whose values name each bar together (``"k=4, p=0.3"``) instead of ``x``;
+  ``legend``: ``{column: label}`` for series whose column names are terse;
+- ``annotate_values``: write every bar's value on it (a zero shows as "0", not as nothing);
+- ``label_replace``: ``[[old, new], ...]`` applied to the bar labels (shorter names under bars);
+  ``footnote``: a line under the plot (what a shortened label means);
+- ``hline``: ``[column, label]``, the column's (first present) value drawn as a dashed line
+  across the plot (an ideal, a bound);
+- ``logx`` (``logx_base``, default 2; ticks in plain numbers), ``logy``, ``ymin`` (e.g. 0: the axis starts there), ``ymax``, ``ylabel``, ``xlabel``, ``title``
+  (default: the table's title).
 """
 from __future__ import annotations
 
+import math
 import re
 import textwrap
 from pathlib import Path
 
-from ..tables import Table
+from ..tables import Table, fmt
 
-__all__ = ["plot_available", "plot_table"]
+__all__ = ["plot_available", "plot_table", "plot_name"]
+
+_NAME = re.compile(r"^[a-z0-9_]{1,40}$")
+# Colours for the Fig. 2 categories, in CATEGORIES order, so every stacked plot reads the same.
+_STACK_COLOURS = ("#2b8cbe", "#a6bddb", "#fdae6b", "#e6550d", "#d9d9d9")
 
 
 def plot_available() -> bool:
@@ -22,8 +51,17 @@ def plot_available() -> bool:
     return True
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:60] or "table"
+def plot_name(table: Table) -> str | None:
+    """The file stem a table's plot is written under (its hint's ``name``), or None without a plot.
+    ValueError for a hint with no name or a name that is not short lowercase ``[a-z0-9_]``."""
+    hint = table.plot
+    if not hint:
+        return None
+    name = hint.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"table {table.title!r}: plot hint needs a short lowercase name "
+                         f"([a-z0-9_], at most 40 characters), got {name!r}")
+    return name
 
 
 def _numbers(table: Table, name: str) -> list[float]:
@@ -31,10 +69,149 @@ def _numbers(table: Table, name: str) -> list[float]:
     return [float("nan") if v is None else float(v) for v in table.column(name)]
 
 
-def plot_table(table: Table, out_dir: Path, stem: str) -> Path | None:
-    """Draw ``table`` as ``out_dir/<stem>-<title>.png``; returns the path, or None without a hint."""
+def _present(values: list[float]) -> bool:
+    return any(not math.isnan(v) for v in values)
+
+
+def _band(ax, xs, centre, lo, hi, colour="black", label=None) -> None:
+    """Error bars from ``lo`` to ``hi`` at ``xs`` (skipping missing values)."""
+    pts = [(x, c, c - a, b - c) for x, c, a, b in zip(xs, centre, lo, hi)
+           if not (math.isnan(c) or math.isnan(a) or math.isnan(b))]
+    if pts:
+        x, c, down, up = zip(*pts)
+        ax.errorbar(x, c, yerr=[[max(d, 0) for d in down], [max(u, 0) for u in up]], fmt="none",
+                    ecolor=colour, elinewidth=1.2, capsize=3, zorder=4, label=label)
+
+
+def _marker(ax, xs, values, width, label) -> None:
+    """A reference value (the paper's) as a short thick black line across each bar."""
+    pts = [(x, v) for x, v in zip(xs, values) if not math.isnan(v)]
+    if pts:
+        x, v = zip(*pts)
+        ax.hlines(v, [a - width * 0.6 for a in x], [a + width * 0.6 for a in x], colors="black",
+                  linewidths=2.5, zorder=5, label=label)
+
+
+def _short(label: str, hint: dict) -> str:
+    for old, new in hint.get("label_replace", ()):
+        label = label.replace(old, new)
+    return label
+
+
+def _group_positions(x: list, hint: dict) -> tuple[list[float], list[str], list[tuple[float, str]]]:
+    """Bar positions with a gap between groups of rows (``"group / name"`` labels), the tick labels
+    (the names, wrapped to fit under a bar) and ``(centre, group)`` for each group."""
+    pos, labels, groups, at = [], [], [], 0.0
+    for v in x:
+        group, _, name = (v if isinstance(v, str) else fmt(v)).rpartition(" / ")
+        if groups and group != groups[-1][1]:
+            at += 0.6
+        if not groups or group != groups[-1][1]:
+            groups.append(([], group))
+        groups[-1][0].append(at)
+        pos.append(at)
+        labels.append("\n".join(textwrap.wrap(_short(name, hint), max(8, 90 // max(len(x), 1)))))
+        at += 1.0
+    return pos, labels, [(sum(p) / len(p), g) for p, g in groups if g]
+
+
+def _ref_range(ax, xs, lo, hi, offset, label) -> None:
+    first = True
+    for x, a, b in zip(xs, lo, hi):
+        if math.isnan(a) or math.isnan(b):
+            continue
+        ax.plot([x + offset, x + offset], [a, b], color="grey", linewidth=5, alpha=0.6,
+                solid_capstyle="butt", zorder=3, label=label if first else None)
+        first = False
+
+
+def _group_labels(ax, groups) -> None:
+    for centre, group in groups:  # the group (workload) under its bars
+        ax.annotate(group, (centre, 0), xycoords=ax.get_xaxis_transform(), xytext=(0, -46),
+                    textcoords="offset points", ha="center", va="top", fontsize=8, fontweight="bold")
+
+
+def _draw_bars(ax, table: Table, hint: dict, x: list) -> None:
+    ys = hint["y"]
+    centres, labels, groups = _group_positions(x, hint)
+    width = 0.8 / len(ys)
+    band = hint.get("band", {})
+    fmt = hint.get("annotate_format", "{}")
+    for i, name in enumerate(ys):
+        pos = [c - 0.4 + width * (i + 0.5) for c in centres]
+        vals = _numbers(table, name)
+        bars = ax.bar(pos, vals, width=width, label=hint.get("legend", {}).get(name, name), zorder=2)
+        if name in band:
+            lo, hi = band[name]
+            _band(ax, pos, vals, _numbers(table, lo), _numbers(table, hi), label=hint.get("band_label"))
+        for extra in hint.get("bands", ()) if i == 0 else ():  # more ranges, beside the first
+            _band(ax, [p + extra.get("offset", 0.15) for p in pos], vals, _numbers(table, extra["cols"][0]),
+                  _numbers(table, extra["cols"][1]), colour=extra.get("colour", "grey"), label=extra.get("label"))
+        if hint.get("annotate_values"):  # every bar's own value written on it
+            for rect, v in zip(bars, vals):
+                if not math.isnan(v):
+                    ax.annotate(f"{v:,.4g}", (rect.get_x() + rect.get_width() / 2, rect.get_height()),
+                                xytext=(0, 2), textcoords="offset points", ha="center", fontsize=6)
+        if i == 0 and hint.get("annotate"):
+            for rect, text in zip(bars, table.column(hint["annotate"])):
+                if text is not None:
+                    ax.annotate(fmt.format(text), (rect.get_x() + rect.get_width() / 2, rect.get_height()),
+                                xytext=(0, 3), textcoords="offset points", ha="center", fontsize=7)
+    if hint.get("marker"):
+        _marker(ax, [c - 0.4 + width / 2 for c in centres] if len(ys) > 1 else centres,
+                _numbers(table, hint["marker"]), width, hint.get("marker_label", hint["marker"]))
+    if hint.get("ref_range"):
+        lo, hi = hint["ref_range"]
+        _ref_range(ax, centres, _numbers(table, lo), _numbers(table, hi), 0.45, hint.get("ref_label", f"{lo} .. {hi}"))
+    ax.set_xticks(centres, labels, fontsize=7)
+    _group_labels(ax, groups)
+
+
+def _draw_stacked(ax, table: Table, hint: dict, x: list) -> None:
+    ys = hint["y"]
+    pos, labels, groups = _group_positions(x, hint)
+    bottom = [0.0] * len(x)
+    for i, name in enumerate(ys):
+        vals = [0.0 if math.isnan(v) else v for v in _numbers(table, name)]
+        ax.bar(pos, vals, bottom=bottom, width=0.7, label=name,
+               color=_STACK_COLOURS[i % len(_STACK_COLOURS)], edgecolor="white", linewidth=0.5, zorder=2)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    band = hint.get("band", {})
+    if ys[0] in band:
+        lo, hi = band[ys[0]]
+        _band(ax, pos, _numbers(table, ys[0]), _numbers(table, lo), _numbers(table, hi))
+    if hint.get("marker"):
+        _marker(ax, pos, _numbers(table, hint["marker"]), 0.7, hint.get("marker_label", hint["marker"]))
+    ax.set_xticks(pos, labels, fontsize=7)
+    _group_labels(ax, groups)
+    ax.set_ylim(0, 100)
+
+
+def _draw_lines(ax, table: Table, hint: dict, x: list) -> None:
+    for name in hint["y"]:
+        vals = _numbers(table, name)
+        ax.plot(x, vals, marker="o", label=hint.get("legend", {}).get(name, name), zorder=3)
+        if name in hint.get("band", {}):
+            lo, hi = hint["band"][name]
+            _band(ax, x, vals, _numbers(table, lo), _numbers(table, hi))
+    if hint.get("marker"):
+        vals = _numbers(table, hint["marker"])
+        pts = [(a, v) for a, v in zip(x, vals) if not math.isnan(v)]
+        if pts:
+            ax.scatter(*zip(*pts), marker="D", s=50, color="black", zorder=5,
+                       label=hint.get("marker_label", hint["marker"]))
+    if hint.get("logx"):
+        from matplotlib.ticker import FuncFormatter
+
+        ax.set_xscale("log", base=hint.get("logx_base", 2))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,g}"))  # 1,024, not 2^10
+
+
+def plot_table(table: Table, out_dir: Path) -> Path | None:
+    """Draw ``table`` as ``out_dir/<hint name>.png``; returns the path, or None without a hint."""
+    name = plot_name(table)
     hint = table.plot
-    if not hint or not table.rows:
+    if name is None or not table.rows:
         return None
     import matplotlib
 
@@ -42,28 +219,37 @@ def plot_table(table: Table, out_dir: Path, stem: str) -> Path | None:
     import matplotlib.pyplot as plt
 
     x = table.column(hint["x"])
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    ys = hint["y"]
-    if hint.get("kind", "line") == "bar":
-        width = 0.8 / len(ys)
-        for i, name in enumerate(ys):
-            pos = [j + i * width for j in range(len(x))]
-            ax.bar(pos, _numbers(table, name), width=width, label=name)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(x))], [str(v) for v in x], rotation=20, ha="right")
-    else:
-        for name in ys:
-            ax.plot(x, _numbers(table, name), marker="o", label=name)
-        if hint.get("logx"):
-            ax.set_xscale("log", base=2)
+    if hint.get("xlabels"):  # bars named by several columns: "k=4, p=0.3"
+        cols = hint["xlabels"]
+        x = [", ".join(f"{c}={fmt(v)}" for c, v in zip(cols, vals)) for vals in zip(*(table.column(c) for c in cols))]
+    kind = hint.get("kind", "line")
+    fig, ax = plt.subplots(figsize=(8, 4.8), dpi=110)
+    {"bar": _draw_bars, "stacked": _draw_stacked, "line": _draw_lines}[kind](ax, table, hint, x)
+    if hint.get("hline"):
+        col, label = hint["hline"]
+        vals = [v for v in _numbers(table, col) if not math.isnan(v)]
+        if vals:
+            ax.axhline(vals[0], color="black", linestyle="--", linewidth=1, label=f"{label} ({vals[0]:.1f})")
     if hint.get("logy"):
         ax.set_yscale("log")
-    ax.set_xlabel(hint["x"])
+    if hint.get("ymin") is not None:
+        ax.set_ylim(bottom=hint["ymin"])
+    if hint.get("ymax") is not None:
+        ax.set_ylim(top=hint["ymax"])
+    ax.set_xlabel(hint.get("xlabel", hint["x"]))
     ax.set_ylabel(hint.get("ylabel", ""))
-    ax.set_title("\n".join(textwrap.wrap(table.title, 90)), fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.set_title("\n".join(textwrap.wrap(hint.get("title", table.title), 95)), fontsize=9)
+    ax.grid(alpha=0.3, zorder=0)
+    outside = kind == "stacked"
+    if outside:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        ax.legend(fontsize=7)
+    if hint.get("footnote"):
+        ax.annotate(hint["footnote"], (0, 0), xycoords="axes fraction", xytext=(0, -78),
+                    textcoords="offset points", ha="left", va="top", fontsize=7, style="italic")
     fig.tight_layout()
-    path = Path(out_dir) / f"{stem}-{_slug(table.title)}.png"
-    fig.savefig(path)
+    path = Path(out_dir) / f"{name}.png"
+    fig.savefig(path, bbox_inches="tight", pad_inches=0.15)
     plt.close(fig)
     return path

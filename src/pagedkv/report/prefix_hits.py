@@ -1,32 +1,35 @@
-"""Report section: prefix hit rate against cache capacity, on the real Mooncake trace.
+"""Report section: prefix hit rate against cache capacity, on a real Mooncake trace.
 
 The Mooncake conversation trace (FAST'25) gives, per request, one ``hash_id`` per 512-token block
-of its prompt; equal ids mean an equal prefix. Loaded by ``pagedkv.sim.traces`` into token
-recipes, it is replayed through the real :class:`pagedkv.KVCacheManager` at several capacities:
-each request is admitted (``add_sequence``, whose return value is the tokens served from cache),
-its output appended, and sequences finish in arrival order with at most ``MAX_RUNNING`` resident;
-when blocks run out the oldest resident one finishes early. A finished sequence's full blocks stay
-cached until evicted (least recently freed first), so capacity decides how much history survives.
+of its prompt; equal ids mean an equal prefix. Every request of the trace is replayed through the
+real :class:`pagedkv.KVCacheManager` at capacities from a few GiB of KV to a cache that never
+evicts: each request is admitted (``add_sequence``, whose return value is the tokens served from
+cache), its output appended, and sequences finish in arrival order with at most ``MAX_RUNNING``
+resident; when blocks run out the oldest resident one finishes early. A finished sequence's full
+blocks stay cached until evicted (least recently freed first), so capacity decides how much
+history survives.
 
-Two independent checks, computed straight from the ``hash_ids`` without the manager or tokens:
+The whole-trace replays run at the trace's own granularity with one token per 512-token block: a
+block-size-1 manager whose tokens name the trace's blocks chains the same hashes, evicts the same
+blocks and hits the same blocks as a block-size-512 manager fed every token, at 1/512 of the
+hashing (``block_replay``; a test checks the two agree exactly). Two checks need neither the
+manager nor tokens, computed straight from the ``hash_ids``:
 
-- the **ideal** hit rate with an unbounded cache at the trace's own 512-token granularity: a
-  request hits the longest run of leading ids already seen, ``min(512 k, input_length)`` tokens;
-- the same at the replay's block size under the manager's rules (only full blocks; the last prompt
-  token is always computed): ``floor(min(512 k, L - 1) / B) * B``. The unbounded replay must
-  equal it exactly.
+- the **ideal** hit rate with an unbounded cache under the manager's rules at block size B (only
+  full blocks; the last prompt token is always computed): ``floor(min(512 k, L - 1) / B) * B`` for
+  ``k`` leading ids already seen. The unbounded replay must equal it exactly;
+- the ideal as more of the trace is replayed: a cold cache hits nothing, so the first requests
+  alone can reach only part of the whole trace's rate.
 
-Worked number: over the whole trace (12,031 requests, 144.8M prompt tokens) the ideal is 37.4%
-of prompt tokens. The hit rate grows with history (a cold cache hits nothing), so a replay of the
-first 2,000 requests can reach only that prefix's ideal (~29%); a second table shows the ideal
-climbing to 37% as more of the trace is replayed.
+Worked number: over the whole trace (12,031 requests, 144.8M prompt tokens) the ideal is 37.3% of
+prompt tokens; the first 2,000 requests alone reach 29.4%.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -36,6 +39,7 @@ from ..sim.sizing import GIB, get_model, kv_size
 from ..sim.traces import (
     MOONCAKE_BLOCK,
     TRACE_FILES,
+    bundled_data_dir,
     content_key,
     default_data_dir,
     detect_format,
@@ -46,18 +50,16 @@ from ..sim.traces import (
 from ..tables import Section, Table
 from .options import ReportOptions
 
-__all__ = ["section", "replay", "ideal_hits", "ReplayResult", "MAX_RUNNING"]
+__all__ = ["section", "replay", "block_replay", "ideal_hits", "ReplayResult", "MAX_RUNNING"]
 
 MAX_RUNNING = 16  # sequences resident at once in the replay
-FULL_REQUESTS = 2_000  # replayed with quick=False (~11 minutes of the hour-long trace)
-QUICK_REQUESTS = 200
-FULL_FRACTIONS = (1 / 64, 1 / 16, 1 / 8, 1 / 4, 1 / 2)  # bounded capacities, as fractions of "never evicts"
-QUICK_FRACTIONS = (1 / 16,)
+# Whole-trace capacities, as fractions of the cache that never evicts (1/512 of it is about 36 GiB
+# of Llama-3.1-8B KV, one GPU's worth; 1 is 18 TiB).
+WHOLE_FRACTIONS = (1 / 512, 1 / 128, 1 / 32, 1 / 16, 1 / 8, 1 / 4)
+QUICK_WHOLE_FRACTIONS = (1 / 128, 1 / 16)
+CHECK_REQUESTS, QUICK_CHECK_REQUESTS = 200, 100  # token-level replay at the report's block size
+QUICK_TRACE_REQUESTS = 1_500  # --quick replays the start of the trace, not all of it
 IDEAL_PREFIXES = (250, 500, 1_000, 2_000, 4_000, 8_000)
-# The whole trace is replayed at the trace's own 512-token granularity: 32x fewer blocks than at
-# block size 16, so all 12,031 requests take ~5 s per capacity instead of ~25 s and 2 GB.
-WHOLE_BLOCK_SIZE = MOONCAKE_BLOCK
-WHOLE_FRACTIONS = (1 / 16, 1 / 4)
 HASH_ALGO = "builtin"  # fastest; hits do not depend on the hash function (no collisions in practice)
 
 
@@ -66,6 +68,7 @@ class ReplayResult:
     """What one replay measured (tokens counted by the manager's own ``usage()``)."""
 
     num_blocks: int
+    block_size: int  # tokens per block of the replayed trace (512 for a block replay)
     requests: int
     skipped: int  # requests larger than the whole cache
     query_tokens: int
@@ -77,7 +80,7 @@ class ReplayResult:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
-def _admit(m: KVCacheManager, running: list, sid: int, tokens: np.ndarray) -> bool:
+def _admit(m: KVCacheManager, running: list, sid: int, tokens) -> bool:
     """Admit, finishing the oldest resident sequences while blocks are short; False if it never fits."""
     while True:
         try:
@@ -89,7 +92,7 @@ def _admit(m: KVCacheManager, running: list, sid: int, tokens: np.ndarray) -> bo
             m.free(running.pop(0))
 
 
-def _append(m: KVCacheManager, running: list, sid: int, tokens: np.ndarray) -> None:
+def _append(m: KVCacheManager, running: list, sid: int, tokens) -> None:
     while True:
         try:
             m.append_tokens(sid, tokens)
@@ -100,40 +103,121 @@ def _append(m: KVCacheManager, running: list, sid: int, tokens: np.ndarray) -> N
             m.free(running.pop(0))
 
 
-def replay(requests: list[Request], num_blocks: int, block_size: int, *,
-           max_running: int = MAX_RUNNING, append_outputs: bool = True,
-           hash_algo: str = HASH_ALGO, progress: Callable[[int], None] | None = None) -> ReplayResult:
-    """Replay ``requests`` in order through a fresh manager of ``num_blocks`` blocks.
-
-    ``progress``, when given, is called with the number of requests replayed so far after each
-    quarter of them (a whole-trace replay takes tens of seconds). Example: the first 200 Mooncake
-    requests with a cache that never evicts hit ~6% of their prompt tokens (the ideal for those 200).
-    """
-    if not isinstance(requests, list) or not all(isinstance(r, Request) for r in requests):
-        raise ValueError("requests must be a list of Request")
+def _check_args(num_blocks: int, block_size: int, max_running: int) -> None:
     for name, v in (("num_blocks", num_blocks), ("block_size", block_size), ("max_running", max_running)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
+
+
+def _drive(items: Iterable[tuple], n: int, num_blocks: int, block_size: int, max_running: int,
+           hash_algo: str, progress: Callable[[int], None] | None) -> tuple[KVCacheManager, set[int]]:
+    """Admit each ``(prompt tokens, output tokens)`` in order; (the manager, indices of the
+    requests skipped because they never fit)."""
     m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True, hash_algo=hash_algo,
                        enable_events=False)
     running: list[int] = []
-    skipped = 0
-    quarter = max(1, -(-len(requests) // 4))
-    for i, r in enumerate(requests):
+    skipped: set[int] = set()
+    quarter = max(1, -(-n // 4))
+    for i, (prompt, output) in enumerate(items):
         if progress is not None and i and i % quarter == 0:
             progress(i)
         while len(running) >= max_running:
             m.free(running.pop(0))
-        if not _admit(m, running, i, np.concatenate([segment_tokens(k, n) for k, n in r.segments])):
-            skipped += 1
+        if not _admit(m, running, i, prompt):
+            skipped.add(i)
             continue
-        if append_outputs and r.output_len:
-            out = segment_tokens(content_key("unique", "prefix-hits#output", i), r.output_len)
-            _append(m, running, i, out.tolist())
+        if len(output):
+            _append(m, running, i, output)
         running.append(i)
+    return m, skipped
+
+
+def _check_requests(requests) -> None:
+    if not isinstance(requests, list) or not all(isinstance(r, Request) for r in requests):
+        raise ValueError("requests must be a list of Request")
+
+
+def replay(requests: list[Request], num_blocks: int, block_size: int, *,
+           max_running: int = MAX_RUNNING, append_outputs: bool = True,
+           hash_algo: str = HASH_ALGO, progress: Callable[[int], None] | None = None) -> ReplayResult:
+    """Replay ``requests`` token by token, in order, through a fresh manager of ``num_blocks``.
+
+    ``progress``, when given, is called with the number of requests replayed so far after each
+    quarter of them. Example: the first 200 Mooncake requests with a cache that never evicts hit
+    ~6% of their prompt tokens (the ideal for those 200).
+    """
+    _check_requests(requests)
+    _check_args(num_blocks, block_size, max_running)
+
+    def items():
+        for i, r in enumerate(requests):
+            out = segment_tokens(content_key("unique", "prefix-hits#output", i), r.output_len) \
+                if append_outputs and r.output_len else ()
+            yield r.prompt_array(), (out.tolist() if len(out) else ())
+
+    m, skipped = _drive(items(), len(requests), num_blocks, block_size, max_running, hash_algo, progress)
     u = m.usage()
-    return ReplayResult(num_blocks, len(requests), skipped, u.prefix_query_tokens,
+    return ReplayResult(num_blocks, block_size, len(requests), len(skipped), u.prefix_query_tokens,
                         u.prefix_hit_tokens, u.evictions)
+
+
+def _block_tokens(requests: list[Request], block: int, append_outputs: bool):
+    """Per request, ``(prompt, output)`` with two tokens per full ``block``-token block and one per
+    partial block: a block-size-2 manager then holds exactly one block per trace block, full where
+    the trace's is full (published, hit, cached when freed) and half full where it is partial
+    (never published, clean when freed), which is all a manager's behaviour depends on.
+
+    A segment of exactly ``block`` tokens starting on a block boundary (a Mooncake hash id) becomes
+    two copies of the token its content key maps to, so equal ids give equal blocks. Every other
+    block (content unique to the request: a partial last block, or tokens past the trace's ids) gets
+    fresh tokens. The output is as many fresh tokens as take the sequence from ``L`` to ``L + out``
+    trace tokens in this encoding: filling the partial block, then one block per trace block.
+    Example (block 512): prompt 1,100 tokens, ids [a, b, c], output 500 -> prompt [a, a, b, b, x]
+    (x for c's 76 tokens), output [y, z] (y fills x's block: 1,024 tokens; z starts the 1,600th).
+    """
+    ids: dict[int, int] = {}
+    fresh = [0]
+
+    def new() -> int:
+        fresh[0] += 1
+        return fresh[0] - 1
+
+    def encoded(n_tokens: int) -> int:  # tokens of this encoding for a sequence of n trace tokens
+        return 2 * (n_tokens // block) + (n_tokens % block != 0)
+
+    for r in requests:
+        prompt, pos = [], 0
+        for key, length in r.segments:
+            if length == block and pos % block == 0:
+                tok = ids.get(key)
+                if tok is None:
+                    tok = ids[key] = new()
+                prompt += [tok, tok]
+            elif length > 0:
+                prompt += [new() for _ in range(encoded(pos + length) - encoded(pos))]
+            pos += length
+        total = r.prompt_len + (r.output_len if append_outputs else 0)
+        yield prompt, [new() for _ in range(encoded(total) - encoded(r.prompt_len))]
+
+
+def block_replay(requests: list[Request], num_blocks: int, block: int = MOONCAKE_BLOCK, *,
+                 max_running: int = MAX_RUNNING, append_outputs: bool = True,
+                 hash_algo: str = HASH_ALGO) -> ReplayResult:
+    """:func:`replay` at block size ``block`` with each trace block encoded in two tokens (see
+    :func:`_block_tokens`): the same hits, evictions and skips as ``replay(requests, num_blocks,
+    block)`` for a trace whose shared content comes in whole aligned blocks (Mooncake), with
+    ``2 / block`` of the tokens to hash. Hit and query tokens are counted in the trace's tokens (a
+    hit is always a full block of ``block`` tokens)."""
+    _check_requests(requests)
+    _check_args(num_blocks, block, max_running)
+    if block % 2:
+        raise ValueError(f"block must be even (two tokens encode a full block), got {block}")
+    m, skipped = _drive(_block_tokens(requests, block, append_outputs), len(requests), num_blocks, 2,
+                        max_running, hash_algo, None)
+    u = m.usage()
+    query = sum(r.prompt_len for i, r in enumerate(requests) if i not in skipped)
+    return ReplayResult(num_blocks, block, len(requests), len(skipped), query,
+                        u.prefix_hit_tokens // 2 * block, u.evictions)
 
 
 def ideal_hits(records: list[tuple[int, list[int]]], block_size: int | None = None) -> tuple[int, int]:
@@ -158,6 +242,9 @@ def ideal_hits(records: list[tuple[int, list[int]]], block_size: int | None = No
     return hit, total
 
 
+# ---- the section ------------------------------------------------------------------------------
+
+
 def _mooncake_file(opts: ReportOptions) -> tuple[Path | None, str | None]:
     """The Mooncake trace to replay, and a sentence when ``opts.trace`` cannot be it."""
     if opts.trace is not None:
@@ -172,83 +259,122 @@ def _mooncake_file(opts: ReportOptions) -> tuple[Path | None, str | None]:
     return trace_path("mooncake", opts.data_dir), None
 
 
-def _capacities(requests: list[Request], block_size: int, fractions) -> tuple[list[int], int]:
-    """Bounded block counts (fractions of a cache that never evicts) and that cache's size."""
-    per_req = [math.ceil(r.total_len / block_size) for r in requests]
-    never = sum(per_req)
-    floor = max(per_req) + 1
-    bounded = sorted({max(floor, int(never * f)) for f in fractions})
-    return [b for b in bounded if b < never], never
+def describe_trace(path: Path, opts: ReportOptions) -> str:
+    """Which file was read, in words: the user's ``--trace`` by name, the copy shipped with pagedkv,
+    or a data directory's copy (``--data-dir`` / ``PAGEDKV_DATA``)."""
+    path = Path(path)
+    if opts.trace is not None and path == Path(opts.trace):
+        return f"the trace file {path.name} (given with --trace)"
+    if path.parent.resolve() == Path(bundled_data_dir()).resolve():
+        return "the Mooncake conversation trace shipped with pagedkv (FAST'25)"
+    return f"{path.name} from {path.parent}"
 
 
-def _capacity_table(results, never: int, opts: ReportOptions, ideal_b: float, n: int,
-                    block_size: int, scope: str) -> Table:
+def _never_evicts(requests: list[Request], block_size: int) -> int:
+    """Blocks a cache needs to never evict: every request's prompt and output, whole blocks."""
+    return sum(math.ceil(r.total_len / block_size) for r in requests)
+
+
+def _capacities(requests: list[Request], block_size: int, fractions) -> tuple[list[tuple[str, int]], int]:
+    """``[(label, blocks)]`` of the bounded capacities (fractions of a cache that never evicts, at
+    least one block more than the largest request) and that cache's size in blocks."""
+    never = _never_evicts(requests, block_size)
+    floor = max(math.ceil(r.total_len / block_size) for r in requests) + 1
+    out = {}
+    for f in sorted(fractions):
+        blocks = max(floor, int(never * f))
+        if blocks < never:
+            out.setdefault(blocks, f"1/{round(1 / f)}" if blocks == int(never * f) else f"{blocks / never:.3g}")
+    return [(label, b) for b, label in out.items()], never
+
+
+def _gib(blocks: int, block_size: int, bytes_per_token: int) -> float:
+    return blocks * block_size * bytes_per_token / GIB
+
+
+def _whole_trace(requests: list[Request], records, opts: ReportOptions, data: dict, scope: str) -> Table:
+    """Every request read (the whole trace, or its start with --quick) through the manager at the
+    trace's granularity (block replay)."""
+    block = MOONCAKE_BLOCK
     bpt = kv_size(get_model(opts.model)).bytes_per_token
-    t = Table(f"Prefix hit rate vs cache capacity (Mooncake, {scope} {n:,} requests, block size {block_size})",
-              ["capacity", "blocks", f"KV GiB ({opts.model})", "hit rate (manager) %",
-               "ideal (hash_ids) %", "evictions", "skipped"],
-              plot={"x": "blocks", "y": ["hit rate (manager) %"], "kind": "line", "logx": True,
-                    "ylabel": "% of prompt tokens served from cache"})
-    for res in results:
-        label = "unbounded" if res.num_blocks >= never else f"1/{round(never / res.num_blocks)}"
-        ideal = ideal_b if res.num_blocks >= never else float("nan")
-        t.add(label, res.num_blocks, res.num_blocks * block_size * bpt / GIB, 100 * res.hit_rate,
-              100 * ideal, res.evictions, res.skipped)
-    t.notes.append(f"capacity as a fraction of {never:,} blocks, enough to never evict; at most "
-                   f"{MAX_RUNNING} sequences resident, finished in arrival order; outputs appended")
-    t.notes.append(f"hash {HASH_ALGO!r} for speed (sha256 gives the same hits); hit rate = "
-                   "usage().prefix_hit_tokens / prefix_query_tokens")
-    t.notes.append("ideal: unbounded cache, from hash_ids alone, full blocks only and the last prompt "
-                   "token always computed (the manager's rules); the unbounded replay must equal it")
+    bounded, never = _capacities(requests, block, QUICK_WHOLE_FRACTIONS if opts.quick else WHOLE_FRACTIONS)
+    results = []
+    for k, (label, blocks) in enumerate(bounded + [("unbounded", never)], 1):
+        opts.note(f"prefix_hits, {len(requests):,} requests: capacity {k}/{len(bounded) + 1}, "
+                  f"{blocks:,} blocks of {block}")
+        results.append((label, block_replay(requests, blocks, block)))
+    h, q = ideal_hits(records, block)
+    gib = f"KV GiB ({opts.model})"
+    t = Table(f"Prefix hit rate vs cache capacity: {scope} ({len(requests):,} requests) through the "
+              f"manager, {block}-token blocks",
+              ["capacity", "blocks", gib, "hit rate %", "ideal, unbounded %", "evictions", "skipped"],
+              plot={"name": "prefix_hits_capacity", "x": gib, "y": ["hit rate %"], "kind": "line",
+                    "logx": True, "logx_base": 10, "ymin": 0,
+                    "hline": ["ideal, unbounded %", "ideal (unbounded cache)"],
+                    "ylabel": "% of prompt tokens served from cache",
+                    "xlabel": f"KV cache capacity, GiB of {opts.model} KV (log scale)",
+                    "title": f"Mooncake, {scope}: prefix hit rate vs cache capacity ({block}-token blocks)"})
+    for label, res in results:
+        t.add(label, res.num_blocks, round(_gib(res.num_blocks, block, bpt), 1), round(100 * res.hit_rate, 2),
+              round(100 * h / q, 2), res.evictions, res.skipped)
+    t.notes += [
+        f"capacity as a fraction of {never:,} blocks, enough to never evict; GiB = blocks x {block} tokens "
+        f"x {bpt:,} KV bytes per token of {opts.model}; at most {MAX_RUNNING} sequences resident, "
+        "finished in arrival order; outputs appended",
+        f"replayed with each {block}-token block encoded in two tokens of a block-size-2 manager (a "
+        f"test checks it matches a token-by-token replay at block size {block} exactly); hash "
+        f"{HASH_ALGO!r} (sha256 gives the same hits)",
+        "ideal: an unbounded cache, from hash_ids alone under the manager's rules (full blocks only, "
+        "the last prompt token always computed); the unbounded replay must equal it",
+    ]
+    data.update({
+        "whole_trace_hit_rate": results[-1][1].hit_rate, "whole_trace_ideal_hit_rate": h / q,
+        "by_capacity": [{"capacity": label, "blocks": r.num_blocks, "block_size": block,
+                         "gib": _gib(r.num_blocks, block, bpt), "hit_rate": r.hit_rate, "evictions": r.evictions,
+                         "skipped": r.skipped} for label, r in results],
+        "never_evicts_blocks": never, "never_evicts_gib": _gib(never, block, bpt),
+    })
     return t
 
 
-def _ideal_table(records, n_replayed: int, block_size: int) -> Table:
+def _block_size_check(requests: list[Request], records, opts: ReportOptions, data: dict) -> Table:
+    """The first requests token by token at the report's block size: unbounded = ideal, exactly."""
+    bs = opts.block_size
+    never = _never_evicts(requests, bs)
+    opts.note(f"prefix_hits, first {len(requests):,} token by token: {never:,} blocks of {bs}")
+    res = replay(requests, never, bs)
+    h, q = ideal_hits(records, bs)
+    t = Table(f"Check at block size {bs}: the first {len(requests):,} requests token by token, unbounded cache",
+              ["requests", "block size", "prompt tokens", "hit rate (manager) %", "ideal (hash_ids) %",
+               "equal"])
+    t.add(len(requests), bs, res.query_tokens, round(100 * res.hit_rate, 3), round(100 * h / q, 3),
+          res.hit_tokens == h and res.query_tokens == q)
+    data["check"] = {"requests": len(requests), "block_size": bs, "hit_rate": res.hit_rate, "ideal": h / q,
+                     "hit_tokens": res.hit_tokens, "ideal_hit_tokens": h}
+    return t
+
+
+def _ideal_table(records, block_size: int) -> Table:
     t = Table("Ideal hit rate (unbounded cache, from hash_ids) vs how much of the trace is replayed",
               ["requests", "hit rate %, 512-token ids", f"hit rate %, block size {block_size}"],
-              plot={"x": "requests", "y": ["hit rate %, 512-token ids"], "kind": "line", "logx": True,
-                    "ylabel": "% of prompt tokens"})
-    sizes = sorted({k for k in IDEAL_PREFIXES if k < len(records)} | {n_replayed, len(records)})
-    for k in sizes:
+              plot={"name": "prefix_hits_history", "x": "requests", "y": [f"hit rate %, block size {block_size}"],
+                    "kind": "line", "logx": True, "ymin": 0, "ylabel": "% of prompt tokens",
+                    "xlabel": "requests replayed from the start of the trace (log scale)",
+                    "title": "A cold cache hits nothing: the ideal hit rate grows with the history replayed"})
+    for k in sorted({k for k in IDEAL_PREFIXES if k < len(records)} | {len(records)}):
         h, q = ideal_hits(records[:k])
         hb, _ = ideal_hits(records[:k], block_size)
-        t.add(k, 100 * h / q, 100 * hb / q)
-    t.notes.append("a cold cache hits nothing: the share grows with the history replayed")
+        t.add(k, round(100 * h / q, 2), round(100 * hb / q, 2))
+    t.notes.append("the whole trace's rate is the last row; a replay of only its first requests can reach "
+                   "no more than its own row")
     return t
-
-
-def _replays(requests: list[Request], capacities: list[int], block_size: int, opts: ReportOptions,
-             what: str, quarters: bool = False) -> list[ReplayResult]:
-    """One replay per capacity, each announced on ``opts.note`` (and, with ``quarters``, each
-    quarter of the requests too: a whole-trace replay runs for tens of seconds)."""
-    results = []
-    n = len(requests)
-    for k, blocks in enumerate(capacities, 1):
-        head = f"prefix_hits, {what}: capacity {k}/{len(capacities)} ({blocks:,} blocks of {block_size})"
-        opts.note(f"{head}, {n:,} requests")
-        marks = (lambda i: opts.note(f"{head}: {i:,} of {n:,} requests")) if quarters else None
-        results.append(replay(requests, blocks, block_size, progress=marks))
-    return results
-
-
-def _whole_trace_table(path: Path, records, opts: ReportOptions, data: dict) -> Table:
-    """Every request of the trace through the manager, at the trace's 512-token granularity."""
-    requests = load_mooncake_jsonl(path)
-    bounded, never = _capacities(requests, WHOLE_BLOCK_SIZE, WHOLE_FRACTIONS)
-    results = _replays(requests, bounded + [never], WHOLE_BLOCK_SIZE, opts, "whole trace", quarters=True)
-    h, q = ideal_hits(records, WHOLE_BLOCK_SIZE)
-    data["whole_trace_unbounded_hit_rate"] = results[-1].hit_rate
-    data["whole_trace_ideal_hit_rate"] = h / q
-    return _capacity_table(results, never, opts, h / q, len(requests), WHOLE_BLOCK_SIZE, "all")
 
 
 def section(opts: ReportOptions) -> Section:
-    """Prefix hit rate against cache capacity on the Mooncake trace (see the module docstring)."""
+    """Prefix hit rate against cache capacity on a Mooncake trace (see the module docstring)."""
     if not isinstance(opts, ReportOptions):
         raise ValueError(f"opts must be ReportOptions, got {type(opts).__name__}")
-    sec = Section("prefix_hits", "Prefix hits vs cache capacity (Mooncake trace)",
-                  intro="Share of prompt tokens served from the prefix cache, replaying the real "
-                        "Mooncake conversation trace through KVCacheManager at several capacities.")
+    sec = Section("prefix_hits", "Prefix hits vs cache capacity (Mooncake trace)")
     path, wrong_kind = _mooncake_file(opts)
     if wrong_kind:
         sec.text.append(wrong_kind)
@@ -259,34 +385,29 @@ def section(opts: ReportOptions) -> Section:
                         f"{where if where is not None else 'any data directory'}): section skipped.")
         sec.data["skipped"] = True
         return sec
-    n = QUICK_REQUESTS if opts.quick else FULL_REQUESTS
-    requests = load_mooncake_jsonl(path, limit=n)
-    records = mooncake_hash_ids(path)
-    bounded, never = _capacities(requests, opts.block_size, QUICK_FRACTIONS if opts.quick else FULL_FRACTIONS)
-    results = _replays(requests, bounded + [never], opts.block_size, opts, f"first {len(requests):,}")
-    hb, q = ideal_hits(records[: len(requests)], opts.block_size)
-    h512, _ = ideal_hits(records[: len(requests)])
-    hall, qall = ideal_hits(records)
-    sec.tables += [_capacity_table(results, never, opts, hb / q, len(requests), opts.block_size, "first"),
-                   _ideal_table(records, len(requests), opts.block_size)]
-    if not opts.quick and len(records) > len(requests):
-        sec.tables.append(_whole_trace_table(path, records, opts, sec.data))
-    sec.data.update({
-        "trace": str(path), "requests": len(requests), "block_size": opts.block_size,
-        "unbounded_hit_rate": results[-1].hit_rate, "ideal_hit_rate": hb / q,
-        "ideal_hit_rate_512": h512 / q, "ideal_hit_rate_full_trace": hall / qall,
-        "full_trace_requests": len(records),
-        "by_capacity": [{"blocks": r.num_blocks, "hit_rate": r.hit_rate, "evictions": r.evictions,
-                         "skipped": r.skipped} for r in results],
-    })
-    sec.text.append(
-        f"Replayed the first {len(requests):,} of {len(records):,} requests. Unbounded cache: "
-        f"{results[-1].hit_rate:.1%} of prompt tokens hit (ideal from hash_ids: {hb / q:.1%}). "
-        f"Over the whole trace ({len(records):,} requests) the ideal is {hall / qall:.1%}: what an "
-        "unbounded cache approaches as more of the trace is replayed (second table).")
-    if "whole_trace_unbounded_hit_rate" in sec.data:
-        sec.text.append(
-            f"The whole trace through the manager at block size {WHOLE_BLOCK_SIZE} (third table): "
-            f"{sec.data['whole_trace_unbounded_hit_rate']:.1%} of prompt tokens hit with an unbounded "
-            f"cache (ideal {sec.data['whole_trace_ideal_hit_rate']:.1%}).")
+    limit = QUICK_TRACE_REQUESTS if opts.quick else None
+    requests = load_mooncake_jsonl(path, limit=limit)
+    records = mooncake_hash_ids(path, limit=limit)
+    what = describe_trace(path, opts)
+    prompt_tokens = sum(n for n, _ in records)
+    sec.intro = (f"Share of prompt tokens served from the prefix cache, replaying {what}: "
+                 f"{len(requests):,} requests, {prompt_tokens / 1e6:.1f}M prompt tokens, through "
+                 "KVCacheManager at several capacities.")
+    data = sec.data
+    scope = f"the first {len(requests):,} requests (--quick)" if opts.quick else "the whole trace"
+    whole = _whole_trace(requests, records, opts, data, scope)
+    n = QUICK_CHECK_REQUESTS if opts.quick else CHECK_REQUESTS
+    check = _block_size_check(requests[:n], records[:n], opts, data)
+    sec.tables += [whole, check, _ideal_table(records, opts.block_size)]
+    caps = data["by_capacity"]
+    shown = [caps[0]] + [c for c in caps if c["capacity"] == "1/16"]
+    by_size = ", ".join(f"{c['gib']:,.0f} GiB ({c['capacity']}) serves {c['hit_rate']:.1%}" for c in shown)
+    sec.text.insert(0,
+        f"{scope[0].upper()}{scope[1:]} ({len(requests):,} requests): an unbounded cache serves "
+        f"{data['whole_trace_hit_rate']:.1%} of prompt tokens (ideal from hash_ids: "
+        f"{data['whole_trace_ideal_hit_rate']:.1%}); it needs {data['never_evicts_gib']:,.0f} GiB of "
+        f"{opts.model} KV. Bounded: {by_size}. A replay of the first requests alone reaches less (last "
+        "table): a cold cache hits nothing.")
+    data.update({"trace": str(path), "trace_description": what, "requests": len(requests),
+                 "prompt_tokens": prompt_tokens, "block_size": opts.block_size, "model": opts.model})
     return sec

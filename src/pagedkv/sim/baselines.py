@@ -1,10 +1,21 @@
 """The allocators a serving scheduler can drive: three reservation baselines and the paged cache.
 
 Why real allocators: the vLLM paper's Fig. 2 compares how much KV memory holds token states
-under Orca-style pre-allocation ("Max", "Pow2", "Oracle") and under paging. Here each baseline is
-an allocator over the *same* slots as the paged cache, placing each sequence's reservation
-contiguously through a :class:`~pagedkv.sim.buddy.BuddyAllocator`, so every category is counted
-from live state rather than assumed:
+under Orca-style pre-allocation and under paging. Here each baseline is an allocator over the
+*same* slots as the paged cache, so every category is counted from live state rather than assumed.
+The baselines are the paper's (§6.1): each request reserves, at admission, one contiguous range per
+sequence of
+
+- **Max**: the model's maximum length (2,048 for OPT);
+- **Pow2**: the prompt plus the true output length rounded up to a power of two (an output of 25
+  reserves 32 positions: only the output is over-reserved, by less than 2x);
+- **Oracle**: the prompt plus the true output length (it knows the future);
+
+and the reservation is placed by the buddy algorithm (§6.1, §6.5), which itself rounds every
+reservation up to a power of two (:class:`~pagedkv.sim.buddy.BuddyAllocator`, classic mode).
+Worked example (prompt 100, output 25): Max reserves 2,048; Pow2 100 + 32 = 132 and holds 256;
+Oracle 125 and holds 128. ``exact=True`` places reservations without the buddy rounding: an extra
+model, not the paper's, kept for comparison only.
 
 ==========================  =================================================================
 ``token_states``            slots holding a running sequence's KV (paged: shared blocks once)
@@ -20,7 +31,9 @@ The five always sum to the capacity exactly (tests check it). Worked example (Ma
 reservations, 5,000 slots, so the buddy arena is 4,096 + 512 + 256 + 128 + 8): one sequence at 300
 of its final 500 tokens holds 300 token states, 200 reserved and 1,548 internal fragmentation. A
 second reservation takes the other half of the 4,096 block; a third must wait, and the 904 free
-slots, none in a block that can hold 2,048, are external fragmentation.
+slots, none in a block that can hold 2,048, are external fragmentation. Internal fragmentation of
+a reservation is everything it holds beyond the true final length: the policy's over-reservation
+plus the buddy's rounding (Pow2 above: 132 - 125 = 7 and 256 - 132 = 124, so 131 of 256).
 
 Parallel sampling and beam search: a reservation baseline reserves every sequence separately
 (no sharing: each sample or beam holds its own copy of the prompt). The paged adapter forks
@@ -51,8 +64,11 @@ __all__ = [
     "ALLOCATORS",
     "make_allocator",
     "generated_tokens",
+    "pow2_ceil",
+    "POLICY_NAMES",
 ]
 
+POLICY_NAMES = {"max": "Max", "pow2": "Pow2", "oracle": "Oracle"}
 CATEGORIES = ("token_states", "reserved", "internal_fragmentation", "external_fragmentation", "free")
 ALLOCATORS = ("max", "pow2", "oracle", "paged")
 
@@ -152,26 +168,34 @@ class KVAllocator(ABC):
 @dataclass
 class _Reservation:
     offsets: list[int]
-    size: int  # slots held per sequence (the policy's size; a classic buddy rounds it to 2**k)
+    size: int  # slots held per sequence (the buddy block: the policy's size rounded to 2**k)
     final: int  # true final length
     length: int  # current length
+
+
+def pow2_ceil(n: int) -> int:
+    """Smallest power of two >= ``n``, and 0 for 0: ``pow2_ceil(25) == 32``, ``pow2_ceil(32) == 32``."""
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an int >= 0, got {n!r}")
+    return 0 if n == 0 else 1 << order_for(n)
 
 
 class ReservationAllocator(KVAllocator):
     """Orca-style pre-allocation: every sequence reserves one contiguous range at admission.
 
-    ``policy``: ``"max"`` reserves ``max_len`` (Orca Max), ``"pow2"`` the next power of two of the
-    true final length (capped at ``max_len``), ``"oracle"`` exactly the final length. Example with
-    ``max_len=2048`` and a 161 + 338 = 499-token request: 2,048 / 512 / 499 slots reserved; when it
-    finishes, Max has wasted 1,549 of them on internal fragmentation, Pow2 13, Oracle none.
+    ``policy`` (vLLM paper §6.1): ``"max"`` reserves ``max_len`` (Orca Max), ``"pow2"`` the prompt
+    plus the output length rounded up to a power of two (capped at ``max_len``: the model never
+    generates past it), ``"oracle"`` the prompt plus the true output length. The buddy allocator
+    then holds the next power of two of that reservation (classic placement, the paper's
+    assumption). Example with ``max_len=2048`` and a 161 + 338 = 499-token request: 2,048 /
+    161 + 512 = 673 / 499 slots reserved, holding 2,048 / 1,024 / 512; when it finishes, Max has
+    wasted 1,549 slots on internal fragmentation, Pow2 525, Oracle 13.
 
-    ``exact=False`` places reservations in a classic buddy allocator that holds the whole
-    power-of-two block: the rounding is then internal fragmentation too (a 500-slot Oracle
-    reservation holds 512 slots, 12 of them never used), so the categories still cover the
-    capacity exactly.
+    ``exact=True`` (not the paper's model; an extra for comparison) holds exactly the reservation
+    and gives the rest of the power-of-two block back to the free lists at once.
     """
 
-    def __init__(self, capacity: int, policy: str, max_len: int = 2048, exact: bool = True) -> None:
+    def __init__(self, capacity: int, policy: str, max_len: int = 2048, exact: bool = False) -> None:
         if policy not in ("max", "pow2", "oracle"):
             raise ValueError(f"policy must be max, pow2 or oracle, got {policy!r}")
         if not isinstance(max_len, int) or max_len < 1:
@@ -180,20 +204,39 @@ class ReservationAllocator(KVAllocator):
         self.capacity = capacity
         self.policy = policy
         self.max_len = max_len
-        self.name = policy.capitalize() if policy != "pow2" else "Pow2"
+        self.exact = exact
+        self.name = POLICY_NAMES[policy] + (" (exact buddy)" if exact else "")
         self._reqs: dict[str, _Reservation] = {}
         self._tokens = self._reserved = self._internal = 0
+        self._last_size: tuple[Request | None, int] = (None, 0)
 
     def reserve_size(self, req: Request) -> int:
-        """Slots reserved for each of the request's sequences under this policy."""
+        """Slots the policy reserves for each of the request's sequences (before the buddy's
+        rounding; :meth:`held_size` is what the buddy then holds). Prompt 100, output 25: Max
+        2,048, Pow2 132, Oracle 125."""
+        last = self._last_size
+        if last[0] is req:  # the waiting head is asked about every step
+            return last[1]
+        size = self._reserve_size(req)
+        self._last_size = (req, size)
+        return size
+
+    def _reserve_size(self, req: Request) -> int:
         final = req.total_len
         if final > self.max_len:
             raise ValueError(f"request {req.req_id}: final length {final} > max_len {self.max_len}")
         if self.policy == "max":
             return self.max_len
         if self.policy == "pow2":
-            return min(1 << order_for(final), self.max_len)
+            return min(req.prompt_len + pow2_ceil(req.output_len), self.max_len)
         return final
+
+    def held_size(self, req: Request) -> int:
+        """Slots each of the request's sequences holds once placed: the reservation rounded up to a
+        power of two (classic buddy), or the reservation itself (``exact``). Prompt 100, output 25:
+        Max 2,048, Pow2 256, Oracle 128."""
+        size = self.reserve_size(req)
+        return size if self.exact else 1 << order_for(size)
 
     def admit(self, req: Request, generated: int = 0) -> bool:
         if req.req_id in self._reqs:
@@ -209,7 +252,7 @@ class ReservationAllocator(KVAllocator):
                     self.buddy.free(o)
                 return False
             offsets.append(off)
-        held = self.buddy.size_of(offsets[0])  # size, or 2**order_for(size) without exact placement
+        held = self.buddy.size_of(offsets[0])  # == self.held_size(req)
         r = _Reservation(offsets, held, req.total_len, req.prompt_len + generated)
         self._reqs[req.req_id] = r
         self._add(r, +1)
@@ -224,8 +267,9 @@ class ReservationAllocator(KVAllocator):
 
     def step(self, req_ids: Sequence[str]) -> int:
         reqs = [self._reqs[i] for i in req_ids]
-        if any(r.length >= r.final for r in reqs):
-            raise ValueError("a request in the step has already reached its final length")
+        for r in reqs:  # checked before anything changes: a failing step changes nothing
+            if r.length >= r.final:
+                raise ValueError("a request in the step has already reached its final length")
         n = 0
         for r in reqs:
             r.length += 1
@@ -297,7 +341,8 @@ class BeamModel:
         rows = [len(s) for s in scores]
         g = self.rng.standard_gamma(self.alpha, size=(sum(rows), self.vocab))  # Dirichlet draws
         kmax = min(max(widths), self.vocab)
-        top = -np.sort(-g, axis=1)[:, :kmax]
+        top = g if kmax == self.vocab else -np.partition(-g, kmax - 1, axis=1)[:, :kmax]
+        top = -np.sort(-top, axis=1)  # the kmax largest draws of each row, largest first
         with np.errstate(divide="ignore"):
             logp = np.log(top) - np.log(g.sum(axis=1, keepdims=True))
         out, i = [], 0
@@ -383,6 +428,9 @@ class PagedAllocator(KVAllocator):
     def _reorganise_beams(self, st: _PagedReq, parents: np.ndarray, scores: np.ndarray) -> None:
         """One beam-search selection: free losing beams, fork the winners that won twice or more."""
         st.scores = scores
+        if len(parents) == len(st.seqs) and (parents == np.arange(len(parents))).all():
+            st.reorg_at = st.length  # every beam continues itself: nothing forked or freed
+            return
         counts = np.bincount(parents, minlength=len(st.seqs))
         seqs, keys = [], []
         for i, c in enumerate(counts.tolist()):
@@ -469,20 +517,20 @@ class PagedAllocator(KVAllocator):
 
 
 def make_allocator(name: str, num_blocks: int, block_size: int = 16, max_len: int = 2048,
-                   *, exact: bool = True, **paged_kw) -> KVAllocator:
+                   *, exact: bool = False, **paged_kw) -> KVAllocator:
     """An allocator by name over ``num_blocks x block_size`` slots of KV memory.
 
     ``make_allocator("max", 983, 16)`` is Orca Max over the vLLM paper's 15,728 OPT-13B slots.
-    ``exact`` (reservations only) chooses exact or classic buddy placement; ``paged_kw`` go to
-    :class:`PagedAllocator`.
+    ``exact=True`` (reservations only) places without the buddy's rounding, an extra that is not
+    the paper's model; ``paged_kw`` go to :class:`PagedAllocator`.
     """
     if name not in ALLOCATORS:
         raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}, got {name!r}")
     if not isinstance(num_blocks, int) or num_blocks < 1 or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"num_blocks and block_size must be positive ints, got {num_blocks!r}, {block_size!r}")
     if name == "paged":
-        if not exact:
-            raise ValueError("exact=False applies to the reservation baselines (max, pow2, oracle), not paged")
+        if exact:
+            raise ValueError("exact=True applies to the reservation baselines (max, pow2, oracle), not paged")
         return PagedAllocator(num_blocks, block_size, **paged_kw)
     if paged_kw:
         raise ValueError(f"{', '.join(sorted(paged_kw))} apply to the paged allocator only, not {name}")

@@ -6,18 +6,20 @@ values as one strided tensor. Contiguity is what creates external fragmentation,
 allocator is the classic allocator for it (power-of-two orders, split on allocation, merge on
 free). Running a real one means external fragmentation is *measured*, not assumed.
 
-Exact allocations: ``alloc(size)`` takes a block of order ``ceil(log2(size))`` and immediately
-gives the unused tail back to the free lists as aligned power-of-two pieces (the
-``alloc_pages_exact`` trick of the Linux kernel). So a 500-slot request holds 500 slots, not 512;
-the other 12 are free (as pieces of 8 and 4) and can serve small requests, and they merge back
-when the 500 are freed. Without it, "Oracle" (reserve exactly the final length) would silently
-become "Pow2". ``exact=False`` gives the classic behaviour for comparison.
+Classic placement (the default, and the one the vLLM paper assumes for Orca, §6.1 and §6.5):
+``alloc(size)`` holds the whole block of order ``ceil(log2(size))``, so a 132-slot reservation
+holds 256 slots and the 124 it rounded up are internal fragmentation of that reservation.
+
+``exact=True`` is an extra placement model, not the paper's: the block's unused tail goes back to
+the free lists at once as aligned power-of-two pieces (the ``alloc_pages_exact`` trick of the
+Linux kernel), so a 500-slot request holds 500 slots and the other 12 (pieces of 8 and 4) can
+serve small requests, merging back when the 500 are freed.
 
 Worked example: ``BuddyAllocator(24)`` starts with free blocks 16@0 and 8@16 (24 is not a power of
 two, so the arena is its binary decomposition). ``alloc(5)`` needs order 3 (8 >= 5); the only
-order-3 block is 8@16, so it keeps slots 16..20 and frees the tail 21..23 as 1@21 and 2@22.
-``unusable_free(16)`` is then 3: the three free slots that cannot serve a 16-slot request (the
-16@0 block can).
+order-3 block is 8@16, so it holds slots 16..23. ``unusable_free(32)`` is then 16: no free block
+can hold 32 slots. With ``exact=True`` the same ``alloc(5)`` keeps 16..20 and frees the tail
+21..23 as 1@21 and 2@22; ``unusable_free(16)`` is then 3 (the 16@0 block can serve 16).
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ class BuddyAllocator:
     placement deterministic and compact.
     """
 
-    def __init__(self, num_slots: int, exact: bool = True) -> None:
+    def __init__(self, num_slots: int, exact: bool = False) -> None:
         if not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
         self.num_slots = num_slots
@@ -68,6 +70,8 @@ class BuddyAllocator:
         self._free: list[set[int]] = [set() for _ in range(self.max_order + 1)]
         self._free_at: dict[int, int] = {}  # offset -> order of every free block
         self._alloc: dict[int, int] = {}  # offset -> slots held by that allocation
+        self._version = 0  # bumped by every change of the free lists (memo key of unusable_free)
+        self._unusable: tuple[int, int, int] = (-1, -1, 0)  # (order, version, result)
         self.free_slots = 0
         for off, k in aligned_pieces(0, num_slots):
             self._push(off, k)
@@ -78,11 +82,13 @@ class BuddyAllocator:
         self._free[k].add(off)
         self._free_at[off] = k
         self.free_slots += 1 << k
+        self._version += 1
 
     def _pop(self, off: int, k: int) -> None:
         self._free[k].remove(off)
         del self._free_at[off]
         self.free_slots -= 1 << k
+        self._version += 1
 
     def _release(self, off: int, k: int) -> None:
         """Free one aligned block, merging with its buddy as long as the buddy is free."""
@@ -108,18 +114,19 @@ class BuddyAllocator:
     def alloc(self, size: int) -> int | None:
         """Reserve ``size`` contiguous slots; the offset, or None when no block of the order is free.
 
-        Exact mode holds exactly ``size`` slots (the tail of the power-of-two block is freed at
-        once); classic mode holds the whole ``2**order_for(size)``.
+        Classic mode (the default) holds the whole ``2**order_for(size)``; exact mode holds exactly
+        ``size`` slots (the tail of the power-of-two block is freed at once).
         """
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"size must be a positive int, got {size!r}")
         k = order_for(size)
-        if k > self.max_order:
-            return None
-        j = next((j for j in range(k, self.max_order + 1) if self._free[j]), None)
-        if j is None:
-            return None
-        off = min(self._free[j])
+        free = self._free
+        for j in range(k, self.max_order + 1):
+            if free[j]:
+                break
+        else:
+            return None  # also when k > max_order: the arena has no block that large
+        off = min(free[j])
         self._pop(off, j)
         while j > k:  # split: keep the lower half, free the upper
             j -= 1
@@ -163,7 +170,14 @@ class BuddyAllocator:
         4@0 and 4@8 (buddies of allocated blocks) are 8 free slots, all unusable for ``size=8``.
         """
         k = order_for(size)
-        return sum(len(self._free[j]) << j for j in range(min(k, self.max_order + 1)))
+        order, version, result = self._unusable
+        if order == k and version == self._version:  # asked every step while a request waits
+            return result
+        result = 0
+        for j in range(min(k, self.max_order + 1)):
+            result += len(self._free[j]) << j
+        self._unusable = (k, self._version, result)
+        return result
 
     def check(self) -> None:
         """Raise AssertionError unless allocations and free blocks tile ``[0, num_slots)`` exactly,

@@ -23,10 +23,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["CostModel", "H100_HBM_BYTES_PER_S", "H100_BF16_FLOPS"]
+__all__ = ["CostModel", "H100_HBM_BYTES_PER_S", "H100_BF16_FLOPS", "A100_40GB_HBM_BYTES_PER_S",
+           "A100_BF16_FLOPS"]
 
 H100_HBM_BYTES_PER_S = 3.35e12  # H100 SXM5 HBM3 bandwidth, NVIDIA H100 datasheet
 H100_BF16_FLOPS = 989e12  # H100 SXM5 dense BF16 tensor throughput, same datasheet
+# The vLLM paper's GPU (its Fig. 2 and section 6.2 run OPT-13B on one A100-40GB): 1,555 GB/s of
+# HBM2 and 312 TFLOP/s dense BF16, NVIDIA A100 Tensor Core GPU datasheet ("A100 40GB SXM").
+A100_40GB_HBM_BYTES_PER_S = 1.555e12
+A100_BF16_FLOPS = 312e12
 DEFAULT_MODEL = "Llama-3.1-8B"
 
 

@@ -12,7 +12,7 @@ equal those of every other request that starts with key 7.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -65,10 +65,13 @@ class Request:
     output_len: int
     n: int = 1
     beam_width: int = 1
+    # sum of the segment lengths, computed once: schedulers ask for it every iteration
+    _prompt_len: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
         if not self.segments or any(length < 0 for _, length in self.segments):
             raise ValueError(f"request {self.req_id}: segments must be non-empty with lengths >= 0")
+        object.__setattr__(self, "_prompt_len", sum(length for _, length in self.segments))
         if self.prompt_len < 1:
             raise ValueError(f"request {self.req_id}: the prompt must have at least one token")
         if self.output_len < 0 or self.n < 1 or self.beam_width < 1:
@@ -78,7 +81,7 @@ class Request:
 
     @property
     def prompt_len(self) -> int:
-        return sum(length for _, length in self.segments)
+        return self._prompt_len
 
     @property
     def total_len(self) -> int:
@@ -90,7 +93,15 @@ class Request:
         """How many sequences the request runs at its widest (samples or beams)."""
         return max(self.n, self.beam_width)
 
+    def prompt_array(self) -> np.ndarray:
+        """The prompt's tokens as one int32 array, mixed in one vectorised call (a 12,000-token
+        Mooncake prompt of 24 segments costs one ``mix_tokens`` call, not 24)."""
+        lengths = np.array([length for _, length in self.segments], dtype=np.int64)
+        keys = np.array([key & 0xFFFFFFFFFFFFFFFF for key, _ in self.segments], dtype=np.uint64)
+        starts = np.cumsum(lengths) - lengths
+        positions = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(starts, lengths)
+        return mix_tokens(np.repeat(keys, lengths), positions.astype(np.uint64))
+
     def prompt_tokens(self) -> list[int]:
         """Materialise the prompt (as Python ints, ready for ``KVCacheManager.add_sequence``)."""
-        parts = [segment_tokens(key, length) for key, length in self.segments]
-        return np.concatenate(parts).tolist()
+        return self.prompt_array().tolist()

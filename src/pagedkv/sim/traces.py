@@ -381,6 +381,28 @@ def mooncake_hash_ids(path: str | Path, *, limit: int | None = None, start: int 
     return out
 
 
+def trace_lengths(path: str | Path) -> tuple[list[int], list[int]]:
+    """``(prompt lengths, output lengths)`` of every request of an Azure CSV or Mooncake JSONL
+    trace, in file order, validated like the loaders but without building requests (no content
+    keys, no hash ids): what a length statistic needs, at a fraction of a full load's cost."""
+    p = _open(path)
+    if detect_format(p) == "azure":
+        reqs = load_azure_csv(p)
+        return [r.prompt_len for r in reqs], [r.output_len for r in reqs]
+    prompts, outputs = [], []
+    for _, lineno, line in _records(p, 0, None, skip_header=False):
+        where = f"{p}:{lineno}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TraceFormatError(f"{where}: not valid JSON ({e.msg})") from None
+        if not isinstance(rec, dict) or "input_length" not in rec or "output_length" not in rec:
+            raise TraceFormatError(f"{where}: expected a JSON object with input_length and output_length")
+        prompts.append(_int_field(rec["input_length"], "input_length", 1, where))
+        outputs.append(_int_field(rec["output_length"], "output_length", 0, where))
+    return prompts, outputs
+
+
 # ---- format detection -----------------------------------------------------------------------------
 
 
