@@ -246,7 +246,7 @@ def test_a_trace_of_the_wrong_kind_is_named_in_its_section(tmp_path, monkeypatch
 
 def test_simulate_replays_a_shipped_trace(capsys):
     argv = ["simulate", "mooncake-trace", "--num-requests", "20", "--allocator", "paged", "--kv-gib", "40",
-            "--rate", "0"]
+            "--rate", "0", "--model", "Llama-3.1-8B"]  # 40 GiB hold 327,680 of its tokens
     rc, out, _ = run(argv + ["--max-len", "131072"], capsys)
     assert rc == 0 and "mooncake-trace (real trace: mooncake_conversation_trace.jsonl.gz): 20 requests" in out
     # Under the default 2,048-token context most Mooncake prompts do not fit: counted, never cut.

@@ -60,6 +60,7 @@ def test_without_a_host_tier_nothing_changes():
     assert m.take_transfers() == []
     hit = m.lookup(toks(0, 9))
     assert (hit, hit.device, hit.host) == (8, 8, 0)
+    assert (str(hit), f"{hit}", f"{hit:,}") == ("8", "8", "8")  # prints as the number it is
     with pytest.raises(ValueError, match="host tier"):
         m.swap_out("a")
     u = m.usage()

@@ -415,13 +415,14 @@ def test_reservation_baselines_with_all_guards_finish():
 
 def test_simulate_command_takes_the_guards(capsys):
     args = ["simulate", "alpaca", "--n", "4", "--num-requests", "30", "--kv-gib", "0.1", "--allocator", "paged",
-            "--rate", "0"]
+            "--rate", "0", "--model", "Llama-3.1-8B"]  # 0.1 GiB: 819 of its tokens
     assert main(args + ["--guards", "none"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("pagedkv simulate: error: livelock: no request progressed")
     assert main(args + ["--guards", "all"]) == 0
     assert "preemptions" in capsys.readouterr().out
-    assert main(["simulate", "sharegpt", "--num-requests", "20", "--kv-gib", "0.01", "--allocator", "paged"]) == 2
+    assert main(["simulate", "sharegpt", "--num-requests", "20", "--kv-gib", "0.01", "--allocator", "paged",
+                 "--model", "Llama-3.1-8B"]) == 2
     err = capsys.readouterr().err
     assert "needs" in err and "holds 80 slots (5 blocks): it could never run" in err and "Traceback" not in err
 

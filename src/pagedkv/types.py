@@ -101,6 +101,11 @@ class PrefixHit(int):
     def __repr__(self) -> str:
         return f"PrefixHit({int(self)}, device={self.device}, host={self.host}, revived={self.revived})"
 
+    def __str__(self) -> str:  # printed and formatted as the number it is
+        return int.__repr__(self)
+
+    __format__ = int.__format__
+
 
 @dataclass(frozen=True, slots=True)
 class Usage:

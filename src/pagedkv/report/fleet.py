@@ -121,7 +121,7 @@ def _vnode_table(keys: np.ndarray, seeds: int, sec: Section) -> Table:
               f"({seeds} ring seeds each)",
               ["k", "theory", "1/sqrt(k)", "share RSD", "p5", "p95", "max/mean share", "requests RSD",
                "predicted", "max/mean requests"],
-              plot={"x": "k", "y": ["theory", "share RSD", "requests RSD"], "kind": "line", "logx": True,
+              plot={"name": "fleet_vnodes_rsd", "x": "k", "y": ["theory", "share RSD", "requests RSD"], "kind": "line", "logx": True,
                     "logy": True, "ylabel": "relative standard deviation of load"})
     rows = []
     for k in VNODES:
@@ -173,7 +173,7 @@ def _eps_table(runs: dict, n: int, sec: Section) -> Table:
     t = Table(f"Bounded loads: hit rate vs balance as eps varies (ring of {RING_VNODES} vnodes, "
               f"{REPLICAS} replicas, first {n:,} Mooncake requests)",
               ["eps", "hit %", "imbalance", "max/mean requests", "overflow %", "TTFT p50 ms", "TTFT p90 ms"],
-              plot={"x": "eps", "y": ["hit %"], "kind": "bar", "ylabel": "% of prompt tokens from cache"})
+              plot={"name": "fleet_bounded_loads", "x": "eps", "y": ["hit %"], "kind": "bar", "ylabel": "% of prompt tokens from cache"})
     rows = []
     for label, res in runs.items():
         s = _row(res)
@@ -199,7 +199,7 @@ def _eps_table(runs: dict, n: int, sec: Section) -> Table:
 def _router_table(results: list[tuple[str, FleetResult]], n: int, sec: Section) -> Table:
     t = Table(f"Routers on the same slice ({REPLICAS} replicas, first {n:,} Mooncake requests)",
               ["router", "hit %", "imbalance", "TTFT p50 ms", "TTFT p90 ms", "replicas/prefix", "one replica %"],
-              plot={"x": "router", "y": ["hit %"], "kind": "bar", "ylabel": "% of prompt tokens from cache"})
+              plot={"name": "fleet_routers", "x": "router", "y": ["hit %"], "kind": "bar", "ylabel": "% of prompt tokens from cache"})
     rows = {}
     for label, res in results:
         s = _row(res)

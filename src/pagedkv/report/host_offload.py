@@ -245,7 +245,7 @@ def _hits_table(opts: ReportOptions, path: Path, cost: CostModel) -> tuple[Table
         ["host capacity", "host GiB", "device hits %", "host hits %", "GiB loaded", "GiB offloaded",
          "TTFT p90 ms per-layer", "mean TTFT ms per-layer", "TTFT p90 ms 1 copy/block",
          "mean TTFT ms 1 copy/block"],
-        plot={"x": "host capacity", "y": ["device hits %", "host hits %"], "kind": "bar",
+        plot={"name": "host_tier_hits", "x": "host capacity", "y": ["device hits %", "host hits %"], "kind": "bar",
               "ylabel": "% of prompt tokens served from cache"},
     )
     data = {}
@@ -349,7 +349,7 @@ def _serve_table(opts: ReportOptions, path: Path, cost: CostModel) -> tuple[Tabl
         f"{blocks:,} blocks of {bs} ({blocks * block_bytes / GIB:.2f} GiB): recompute, offload, swap",
         ["mode", "tokens/s", "preemptions", "swap-outs", "recomputed tokens", "GiB to host",
          "GiB to device", "transfer wait s", "TTFT p50 s", "TTFT p90 s", "latency p50 s", "latency p90 s"],
-        plot={"x": "mode", "y": ["TTFT p90 s", "latency p90 s"], "kind": "bar", "ylabel": "seconds"},
+        plot={"name": "host_tier_serving", "x": "mode", "y": ["TTFT p90 s", "latency p90 s"], "kind": "bar", "ylabel": "seconds"},
     )
     data = {}
     clipped = 0

@@ -150,7 +150,7 @@ def _thrash_table(opts: ReportOptions, cost: CostModel) -> tuple[Table, dict]:
         title=f"(a) thrashing: {num} long-output requests at t = 0 on {blocks:,} blocks of {bs}",
         columns=["guards", "preemptions", "most of one", "preempted 2+ times", "recomputed tokens",
                  "tokens/s", "TTFT p99 s", "latency p50 s", "latency p99 s"],
-        plot={"x": "guards", "y": ["preemptions"], "kind": "bar", "ylabel": "preemptions"},
+        plot={"name": "livelock_thrashing", "x": "guards", "y": ["preemptions"], "kind": "bar", "ylabel": "preemptions"},
     )
     rows = [("vLLM v1 (no watermark)", Guards()), ("no admit rule off", Guards(no_admit_after_preempt=False))]
     rows += [(f"watermark {w:.0%}", Guards(watermark=w)) for w in WATERMARKS]
@@ -249,7 +249,7 @@ def _ablation_table(opts: ReportOptions, cost: CostModel) -> tuple[Table, dict]:
               f"on {blocks:,} blocks of {bs}",
         columns=["guards", "preemptions", "futile", "recomputed tokens", "discarded tokens",
                  "latency p50 s", "latency p90 s", "latency p99 s", "TTFT p99 s", "outcome"],
-        plot={"x": "guards", "y": ["preemptions"], "kind": "bar", "ylabel": "preemptions"},
+        plot={"name": "livelock_guards", "x": "guards", "y": ["preemptions"], "kind": "bar", "ylabel": "preemptions"},
     )
     data = {}
     for label, guards in _ablation(opts):

@@ -57,7 +57,7 @@ def _per_block_table(opts: ReportOptions, cost: CostModel) -> tuple[Table, dict]
         f"recompute, by block size",
         ["block size", "blocks", "MiB each way", "copies each way", *lat_cols,
          "swap ms 1 copy/block @10us", "recompute ms", "swap / recompute @10us"],
-        plot={"x": "block size", "y": [*lat_cols, "recompute ms"], "kind": "line", "logx": True,
+        plot={"name": "swap_vs_recompute", "x": "block size", "y": [*lat_cols, "recompute ms"], "kind": "line", "logx": True,
               "logy": True, "ylabel": "ms per preemption (out + in)"},
     )
     rows = {}
