@@ -27,7 +27,9 @@ MARKUP = re.compile(r":[a-z]+:`|(?<!`)``(?!`)")  # a role, or a literal (not a `
 EXPECTED_PLOTS = ("fork_cost_bytes", "cow_proof_error", "cow_proof_bytes", "fig2_breakdown", "fig2_saturated",
                   "fig2_throughput", "fig2_load", "block_size_fragmentation", "fig15_sharing", "sharing_sharegpt",
                   "prefix_hits_capacity", "prefix_hits_history", "chunked_prefix_hits", "chunked_memory",
-                  "spec_rollback")
+                  "spec_rollback", "livelock_thrashing", "livelock_guards", "swap_vs_recompute",
+                  "host_tier_hits", "host_tier_serving", "fleet_vnodes_rsd", "fleet_bounded_loads",
+                  "fleet_routers")
 
 
 @pytest.fixture(scope="module")
