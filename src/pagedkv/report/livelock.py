@@ -248,8 +248,9 @@ def _ablation_table(opts: ReportOptions, cost: CostModel) -> tuple[Table, dict]:
         title=f"every guard on and off: {len(reqs)} requests (mixed workload, seed {opts.seed}) "
               f"on {blocks:,} blocks of {bs}",
         columns=["guards", "preemptions", "futile", "recomputed tokens", "discarded tokens",
-                 "latency p50 s", "latency p90 s", "latency p99 s", "TTFT p99 s", "outcome"],
-        plot={"name": "livelock_guards", "x": "guards", "y": ["preemptions"], "kind": "bar", "ylabel": "preemptions"},
+                 "latency p50 s", "latency p90 s", "latency p99 s", "TTFT p99 s", "finished", "outcome"],
+        plot={"name": "livelock_guards", "x": "guards", "y": ["preemptions"], "kind": "bar",
+              "ylabel": "preemptions (requests finished written on each bar)", "annotate": "finished"},
     )
     data = {}
     for label, guards in _ablation(opts):
@@ -257,7 +258,8 @@ def _ablation_table(opts: ReportOptions, cost: CostModel) -> tuple[Table, dict]:
         lat = tail_latency(res)
         table.add(label, res.preemptions, res.futile_preemptions, res.recomputed_tokens,
                   res.discarded_tokens, _q(lat["latency_p50"]), _q(lat["latency_p90"]),
-                  _q(lat["latency_p99"]), _q(lat["ttft_p99"]), _outcome(res))
+                  _q(lat["latency_p99"]), _q(lat["ttft_p99"]), f"{res.finished}/{res.num_requests}",
+                  _outcome(res))
         data[label] = {"preemptions": res.preemptions, "futile": res.futile_preemptions,
                        "recomputed_tokens": res.recomputed_tokens, "latency_p99": _q(lat["latency_p99"]),
                        "completed": res.completed, "iterations": res.iterations}

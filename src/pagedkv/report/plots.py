@@ -110,7 +110,8 @@ def _group_positions(x: list, hint: dict) -> tuple[list[float], list[str], list[
             groups.append(([], group))
         groups[-1][0].append(at)
         pos.append(at)
-        labels.append("\n".join(textwrap.wrap(_short(name, hint), max(8, 90 // max(len(x), 1)))))
+        width = max(8, 90 // max(len(x), 1))  # whole words only: "unfreeing", never "unfreein g"
+        labels.append("\n".join(textwrap.wrap(_short(name, hint), width, break_long_words=False)))
         at += 1.0
     return pos, labels, [(sum(p) / len(p), g) for p, g in groups if g]
 
