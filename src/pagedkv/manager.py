@@ -750,6 +750,8 @@ class KVCacheManager:
         fresh = 0
         sharers: dict[int, int] = {}
         for s in ss:
+            if s.nxt >= 0:  # a fast-path slot: private room in its last block, nothing to take
+                continue
             if len(s.tokens) % bs:
                 b = s.table[-1]
                 if refcount(b) > 1:
@@ -1057,7 +1059,7 @@ class KVCacheManager:
         logical = logical_blocks = 0
         partial: dict[int, int] = {}  # distinct partial last blocks -> tokens they hold
         for s in self._seqs.values():
-            n = s.computed
+            n = len(s.tokens) - s.unscheduled
             if s.host is not None:  # swapped out: only the shared blocks left on the device
                 for i, b in enumerate(s.table):
                     if b >= 0:

@@ -588,19 +588,21 @@ class _Run:
             bd, logical, saved = self.alloc.observe(blocked)
             self.rec.add(self.t, dt, batch, len(self.running), tokens, prefill, kv, bool(self.waiting),
                          blocked is not None, False, bd.as_tuple(), logical, saved)
-        self.t += dt
+        self.t = t = self.t + dt
         if tokens:
-            done = []
+            done, stats, progressed = [], self.stats, False
             for rid, st in self.running.items():
-                st[1] += 1
-                stat = self.stats[rid]
-                if stat.first != stat.first:  # NaN: its first token
-                    stat.first = self.t
-                if st[1] > stat.best:
-                    stat.best = st[1]
-                    self.progressed = True
-                if st[1] >= st[0].output_len:
+                g = st[1] = st[1] + 1
+                stat = stats[rid]
+                if g > stat.best:  # further than ever: progress (the first token is too)
+                    if g == 1:
+                        stat.first = t
+                    stat.best = g
+                    progressed = True
+                if g >= st[0].output_len:
                     done.append(rid)
+            if progressed:
+                self.progressed = True
             for rid in done:
                 self.finish(rid)
         for rid in self.just_finished:
