@@ -1072,7 +1072,7 @@ class KVCacheManager:
             logical_blocks += len(s.table)
             if n % bs:
                 partial[s.table[-1]] = n % bs
-        stored = used * bs - sum(bs - k for k in partial.values())
+        stored = used * bs - len(partial) * bs + sum(partial.values())  # partial blocks' empty tails
         allocated = used * bs
         cache, tier = self._cache, self._tier
         host = {}
