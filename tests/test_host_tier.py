@@ -258,3 +258,41 @@ def test_pickling_keeps_both_tiers():
     assert m2.take_events() == m.take_events()
     assert m2.usage() == m.usage()
     m2.check_invariants()
+
+
+@pytest.mark.parametrize("how", ["host hit", "swap_in"])
+def test_freeing_a_sequence_whose_loads_are_pending_unpublishes_those_blocks(how):
+    """A sequence whose blocks are being loaded from the host (a host hit, or ``swap_in``) is
+    freed before the step runs: its loads are dropped, so those device blocks never receive
+    their K/V and must not serve a later hit. The next prompt hits the host again and loads.
+    (Found by the state machine: the blocks stayed published on the device.)"""
+    m = KVCacheManager(num_blocks=4, block_size=4, host_blocks=8)
+    a = list(range(9))  # two full blocks and one token
+    if how == "host hit":
+        m.add_sequence("a", a)
+        m.free("a")
+        m.add_sequence("b", list(range(100, 116)))  # evicts a's blocks: offloaded to the host
+        m.free("b")
+        m.take_transfers()
+        assert m.lookup(a).host == 8
+        m.add_sequence("c", a, prefill=0)  # loads both blocks, published on the device at once
+    else:
+        m.add_sequence("c", a)
+        m.swap_out("c")
+        m.add_sequence("b", list(range(100, 116)))  # takes the device: c's cached blocks go
+        m.free("b", cache=False)
+        m.take_transfers()
+        m.swap_in("c")  # loads c's three blocks; the two full ones are published again
+    loading = m.block_table("c")[:2]
+    m.take_events()
+    m.free("c")  # before the step ran
+    removed = [e for e in m.take_events() if isinstance(e, BlockRemoved) and e.medium == "GPU"]
+    assert len(removed) == 1 and len(removed[0].block_hashes) == 2
+    assert [t for t in m.take_transfers() if t.direction == "to_device"] == []
+    m.check_invariants()
+    hit = m.lookup(a)
+    assert (hit.device, hit.host) == (0, 8)
+    assert m.add_sequence("d", a) == 8
+    loads = [t for t in m.take_transfers() if t.direction == "to_device"]
+    assert [t.dst for t in loads] == m.block_table("d")[:2]
+    m.check_invariants()

@@ -35,8 +35,28 @@ router's view says are cached, capped below the whole prompt. Every published bl
 call completed (all its positions scheduled, none a pending draft). Any ``OutOfBlocks`` and any
 refused call leave a byte-identical snapshot behind. Freed ids are reused.
 
+With a host tier (drawn at setup for a share of the examples: 1 to 2 times the device pool,
+write-back or write-through, on smaller device pools so that evictions happen) the machine also
+swaps sequences out and back in (``swap_out`` only at a legal point: before anything is appended
+to the sequence in the step; attempts at an illegal point, without a host tier, or out of host
+blocks must fail and change nothing, the host tier included), and the store has host slots. A
+step's drain is then ``take_transfers()`` first (the ``to_host`` batch: every source read before
+any destination is written; then the ``to_device`` batch likewise), then ``take_copies()``, then
+the writes; every drain must list ``to_host`` entries first and no destination twice in one
+direction. Transfers not drained yet are read off a pickled twin, so the checks between drains
+see the store as the step will leave it. Beside the device checks above it checks: a swapped-out
+sequence's host-resident positions read back from the host slots its host blocks name; a hit
+that continues on the host is exactly the run the router's host view holds (``PrefixHit.device``
+and ``.host`` apart); every hash the host publishes arrives with a ``to_host`` transfer of that
+step holding exactly the tokens the hash names under its salt, and its host block keeps them
+while it stays published; a host block evicted there is the destination of a transfer of that
+step; a device eviction is offloaded unless the host holds the hash or has no block to spare;
+write-through copies a block out exactly one drain late (never at the drain right after it was
+published, always at the next one while the host has room), write-back never at a drain; and
+``usage()``'s host fields (blocks held, swapped sequences, host hits, transfers each way).
+
 ``V2 = False`` drives only the v1 calls, one call per step, so the machine runs against a
-manager without contract v2.
+manager without contract v2 (and without a host tier).
 """
 from __future__ import annotations
 
@@ -46,6 +66,7 @@ import math
 import os
 import pickle
 import random
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -55,11 +76,19 @@ from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
     invariant,
+    precondition,
     rule,
     run_state_machine_as_test,
 )
 
-from pagedkv import AllBlocksCleared, BlockRemoved, BlockStored, CopyOp, KVCacheManager, OutOfBlocks
+from pagedkv import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CopyOp,
+    KVCacheManager,
+    OutOfBlocks,
+)
 from conftest import STATEFUL_FACTOR, snapshot, snapshot_v2, stored_blocks
 
 VOCAB = 4
@@ -70,17 +99,22 @@ SALTS = st.sampled_from([None, None, None, "a", "b"])
 
 
 class StepStore:
-    """The physical KV store of a simulated engine, one step at a time.
+    """The physical KV store of a simulated engine, one step at a time: device slots and, with a
+    host tier, host slots.
 
-    ``prov[slot]`` is the id of what was computed into the slot (-1: nothing). During a step the
-    machine records the copies it expects, the blocks handed out fresh and the writes each
-    sequence scheduled; ``view()`` is the store as the end of the step will leave it: sources
-    read, fresh blocks emptied, copies written, then the step's writes.
+    ``prov[slot]`` (``hprov`` on the host) is the id of what was computed into the slot (-1:
+    nothing). During a step the machine records the copies it expects, the blocks handed out
+    fresh and the writes each sequence scheduled; ``view(copies, transfers)`` is the store as the
+    end of the step will leave it: the ``to_host`` batch (reading the device as the last step
+    left it), the copies' sources read, fresh blocks emptied, the ``to_device`` batch, the
+    copies written, then the step's writes. A copy reads its source before any load lands: the
+    drain checks that no load fills a block a copy reads, so the two orders agree.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, host_blocks: int = 0) -> None:
         self.bs = block_size
         self.prov = np.full(num_blocks * block_size, -1, dtype=np.int64)
+        self.hprov = np.full(host_blocks * block_size, -1, dtype=np.int64)
         self.copies: list[CopyOp] = []
         self.fresh: set[int] = set()
         self.writes: dict = {}  # seq id -> [(slots, provenance ids)]
@@ -90,25 +124,34 @@ class StepStore:
         tab = np.asarray(table, dtype=np.int64)
         return tab[pos // self.bs] * self.bs + pos % self.bs
 
-    def view(self, copies=None) -> np.ndarray:
-        bs, prov = self.bs, self.prov.copy()
+    def block(self, prov, b: int) -> np.ndarray:
+        return prov[b * self.bs : (b + 1) * self.bs]
+
+    def view(self, copies=None, transfers=()) -> tuple[np.ndarray, np.ndarray]:
+        bs, prov, hprov = self.bs, self.prov.copy(), self.hprov.copy()
         copies = self.copies if copies is None else copies
-        sources = [prov[c.src * bs : (c.src + 1) * bs].copy() for c in copies]
+        out = [t for t in transfers if t.direction == "to_host"]
+        into = [t for t in transfers if t.direction == "to_device"]
+        for t, data in [(t, self.block(prov, t.src).copy()) for t in out]:
+            hprov[t.dst * bs : (t.dst + 1) * bs] = data
+        sources = [self.block(prov, c.src).copy() for c in copies]
         for b in self.fresh:
             prov[b * bs : (b + 1) * bs] = -1
+        for t, data in [(t, self.block(hprov, t.src).copy()) for t in into]:
+            prov[t.dst * bs : (t.dst + 1) * bs] = data
         for c, data in zip(copies, sources):
             prov[c.dst * bs : (c.dst + 1) * bs] = data
         for writes in self.writes.values():
             for slots, ids in writes:
                 prov[slots] = ids
-        return prov
+        return prov, hprov
 
-    def commit(self, copies) -> None:
+    def commit(self, copies, transfers=()) -> None:
         slots = [s for writes in self.writes.values() for s, _ in writes]
         if slots:
             flat = np.concatenate(slots)
             assert len(np.unique(flat)) == len(flat), "two writes to one slot in one step"
-        self.prov = self.view(copies)
+        self.prov, self.hprov = self.view(copies, transfers)
         self.copies, self.fresh, self.writes = [], set(), {}
 
 
@@ -128,6 +171,7 @@ def op(fn):
 class ManagerMachine(RuleBasedStateMachine):
     algo = "sha256"
     V2 = True  # contract v2 calls and multi-call steps; False: v1 calls only, one per step
+    TIERS = True  # with V2: a share of the examples get a host tier
 
     def __init__(self):
         super().__init__()
@@ -140,17 +184,28 @@ class ManagerMachine(RuleBasedStateMachine):
         bs=st.integers(1, 5),
         caching=st.sampled_from([True, True, True, False]),
         events=st.sampled_from([True, True, True, False]),
+        policy=st.sampled_from([None, None, None, "write-back", "write-through"]),
+        host_extra=st.integers(0, 40),
     )
-    def setup(self, nb, bs, caching, events):
+    def setup(self, nb, bs, caching, events, policy, host_extra):
+        if not (self.V2 and self.TIERS):
+            policy = None
+        if policy is not None:  # a host tier of 1..2x a smaller device pool: evictions happen
+            nb = 8 + (nb - 8) // 3
+        self.hb = 0 if policy is None else nb + host_extra % (nb + 1)
+        self.policy = policy
         self.nb, self.bs, self.caching, self.events = nb, bs, caching, events
+        tier = {} if policy is None else {"host_blocks": self.hb, "host_write_policy": policy}
         self.m = KVCacheManager(
             num_blocks=nb,
             block_size=bs,
             enable_prefix_caching=caching,
             hash_algo=self.algo,
             enable_events=events,
+            **tier,
         )
-        self.store = StepStore(nb, bs)
+        event(f"host tier: {policy}")
+        self.store = StepStore(nb, bs, self.hb)
         self.model: dict[int, list[int]] = {}
         self.salt: dict[int, object] = {}
         self.nc: dict[int, int] = {}  # positions scheduled for compute (num_computed)
@@ -159,13 +214,29 @@ class ManagerMachine(RuleBasedStateMachine):
         self.trie: dict = {}  # (parent id, token) or ("salt", salt) -> provenance id
         self.admissions = 0  # admissions in the current step
         self.first_write: dict = {}  # seq id -> admissions counted when it first wrote this step
-        self.router: set = set()  # hashes the events say are in the cache
+        self.up: dict[int, int] = {}  # provenance id -> the id of the position before it
+        self.router: set = set()  # hashes the events say are in the device's cache ("GPU")
+        self.router_cpu: set = set()  # ... and in the host tier's ("CPU")
         self.known: set = set()  # every block hash ever published
         self.chain: dict = {}  # (parent hash, block tokens) -> hash, learnt from events
         self.roots: dict = {}  # salt -> root hash, learnt from events
+        self.root_salt: dict = {}  # root hash -> salt
+        self.hash_node: dict = {}  # hash -> provenance id of its block's last position
         self.next_id = 0
         self.freed_ids: list[int] = []
         self.n_forks = self.n_cow = self.n_query = self.n_hit = self.n_removed = 0
+        # the host tier
+        self.swapped: dict = {}  # swapped-out seq id -> {table index: host block}
+        self.swap_moves: list = []  # (device block, host block) swap_out queued this step
+        self.loading: set = set()  # sequences whose blocks a to_device of this step fills
+        self.host_of: dict = {}  # published host hash -> the host block holding it
+        self.cpu_new: list = []  # hashes the host published since the last drain
+        self.host_evicted: list = []  # host blocks whose hash was evicted since the last drain
+        self.wt_new: dict = {}  # hashes the device published since the last drain -> still valid
+        self.wt_ready: dict = {}  # ... since the drain before (write-through copies them now)
+        self.drained = [0, 0]  # transfers drained so far: to_host, to_device
+        self.history: list = []  # (computed tokens, salt) of the last sequences freed
+        self.n_host_hit = 0
 
     # ------------------------------------------------------------ helpers
 
@@ -183,28 +254,55 @@ class ManagerMachine(RuleBasedStateMachine):
         live = self.live()
         return snapshot_v2(self.m, live) if self.V2 else snapshot(self.m, live)
 
-    def free_order(self, m=None):
+    def free_order(self, m=None, blob=None):
         """The order in which the next allocations would take the free blocks (clean ones
         LIFO, never-used ones, then the cached-free LRU oldest first): one admission that takes
-        them all, run on a pickled copy. It makes the LRU order observable."""
-        probe = pickle.loads(pickle.dumps(self.m if m is None else m))
+        them all, run on a pickled copy (of ``m``, or unpickled from ``blob``). It makes the LRU
+        order observable."""
+        probe = pickle.loads(blob or pickle.dumps(self.m if m is None else m))
         free = probe.num_free_blocks
         if not free:
             return []
         probe.add_sequence("probe", [7] * (free * self.bs), cache_salt="probe")  # hits nothing
         return probe.block_table("probe")
 
-    def state(self):
-        """What a call that must change nothing is compared on: the snapshot and, with v2 (a
-        manager pickles), the free list and LRU order."""
-        return self.snap(), (pickle.dumps(self.m) if self.V2 else None)
+    def host_order(self, probe):
+        """The transfers the manager ``probe`` (a copy: the probe changes it) has pending, then
+        the order in which its host tier would hand out free blocks, as far as a probe can see
+        it: once they are drained, a sequence of as many blocks as the device has clean (so
+        that admitting it evicts nothing) is swapped out."""
+        pending = probe.take_transfers()
+        k = min(probe.usage().free_blocks, probe.num_free_host_blocks)
+        if not k:
+            return pending, []
+        probe.add_sequence("host probe", [7] * (k * self.bs), cache_salt="probe")
+        probe.swap_out("host probe")
+        return pending, [t.dst for t in probe.take_transfers()]
 
-    def assert_state(self, before, what):
-        snap, blob = before
+    def host_counts(self):
+        """The host tier's part of a snapshot that needs no probe: free blocks and each
+        sequence's swapped blocks (``usage()``, in the snapshot, has the rest)."""
+        if not self.hb:
+            return None
+        return self.m.num_free_host_blocks, [self.m.num_swapped_blocks(s) for s in self.live()]
+
+    def state(self):
+        """What a call that must change nothing is compared on: the snapshot (with a host tier,
+        its part too) and, with v2 (a manager pickles), the free list and LRU order of each
+        tier and the pending transfers."""
+        return self.snap(), self.host_counts(), (pickle.dumps(self.m) if self.V2 else None)
+
+    def assert_state(self, before, what, host_probe=True):
+        snap, host, blob = before
         assert self.snap() == snap, f"{what} changed the manager"
+        assert self.host_counts() == host, f"{what} changed the host tier"
         if blob is not None:
-            assert self.free_order(pickle.loads(blob)) == self.free_order(), (
+            now = pickle.dumps(self.m)
+            assert self.free_order(blob=blob) == self.free_order(blob=now), (
                 f"{what} changed the free list or the LRU order")
+            if self.hb and host_probe:
+                assert self.host_order(pickle.loads(blob)) == self.host_order(pickle.loads(now)), (
+                    f"{what} changed the pending transfers, or the host's free list or LRU order")
 
     def pick(self, data, label, ok):
         """A live sequence, three times in four one for which ``ok`` holds (if any): calls the
@@ -220,14 +318,25 @@ class ManagerMachine(RuleBasedStateMachine):
         scheduled, or (for anything but more drafts) drafts are pending."""
         if not self.V2:
             return False
+        if sid in self.swapped:
+            return True
         return self.nc[sid] < len(self.model[sid]) or (self.drafts[sid] > 0 and not speculative)
 
     def extend_nodes(self, sid, tokens):
         nodes, trie = self.nodes[sid], self.trie
         parent = nodes[-1] if nodes else trie.setdefault(("salt", self.salt[sid]), len(trie))
         for t in tokens:
-            parent = trie.setdefault((parent, t), len(trie))
-            nodes.append(parent)
+            node = trie.setdefault((parent, t), len(trie))
+            self.up.setdefault(node, parent)
+            nodes.append(node)
+            parent = node
+
+    def block_nodes(self, node):
+        """The provenance ids of a full block's positions, given its last one."""
+        out = [node]
+        for _ in range(self.bs - 1):
+            out.append(self.up[out[-1]])
+        return out[::-1]
 
     def schedule(self, sid, table, start, stop):
         """The engine computes positions ``start..stop`` of ``sid`` in this step."""
@@ -249,30 +358,138 @@ class ManagerMachine(RuleBasedStateMachine):
                 break
         pending.append(CopyOp(src, dst))
 
+    def peek_transfers(self, u=None):
+        """The transfers queued so far in this step, read off a pickled copy (the manager's own
+        list is drained only at the step's end). Nothing is queued unless the counters moved
+        since the last drain. Write-through's copies are made at the drain itself, after the
+        to_host entries queued before it (the drain checks that order): the copy's drain would
+        list them too, and they are left out."""
+        if not self.hb:
+            return []
+        u = self.m.usage() if u is None else u
+        if [u.transfers_to_host, u.transfers_to_device] == self.drained:
+            return []
+        out = pickle.loads(pickle.dumps(self.m)).take_transfers()
+        queued = u.transfers_to_host - self.drained[0]
+        return [t for t in out if t.direction == "to_host"][:queued] + [
+            t for t in out if t.direction == "to_device"]
+
     def end_step(self):
-        """The step's end: drain the copies once, run them as one batch, land the writes."""
+        """The step's end: drain the transfers (the to_host batch, then the to_device batch),
+        then the copies, each run as one batch, then land the writes."""
         if self.m is None:
             return
+        transfers, host_free = [], self.m.num_free_host_blocks if self.hb else 0
+        if self.hb:
+            queued = self.peek_transfers() if self.policy == "write-through" else None
+            transfers = self.m.take_transfers()
+            if queued:  # write-through's copies come after what the step queued
+                ahead = [t for t in queued if t.direction == "to_host"]
+                assert transfers[: len(ahead)] == ahead, "write-through's copies come last"
+            self.check_transfers(transfers)
+        elif self.V2:
+            assert self.m.take_transfers() == []
         copies = self.m.take_copies()
         dsts = [c.dst for c in copies]
         assert len(set(dsts)) == len(dsts), f"a destination twice in one batch: {copies}"
         assert not set(dsts) & {c.src for c in copies}, f"a destination is also a source: {copies}"
         assert sorted(copies) == sorted(self.store.copies), (copies, self.store.copies)
+        loads = {t.dst for t in transfers if t.direction == "to_device"}
+        assert not loads & {c.src for c in copies}, "a load fills a block a copy reads"
+        assert not loads & set(dsts), "a load fills a copy's destination"
         if len(copies) > 1:
             event("several copies in one batch")
-        self.store.commit(copies)
+        self.store.commit(copies, transfers)
         self.admissions = 0
         self.first_write = {}
+        self.loading = set()
+        if self.hb:
+            self.after_drain(transfers, host_free)
 
-    def attempt(self, fn):
-        """Run an allocating call; on OutOfBlocks check that nothing changed."""
+    def check_transfers(self, transfers):
+        """The batch rules: every to_host entry before every to_device entry, each direction
+        naming no destination twice, ids in range on either side."""
+        from pagedkv import Transfer  # contract v2 (the machine runs without it when V2 is off)
+
+        assert all(isinstance(t, Transfer) for t in transfers)
+        dirs = [t.direction for t in transfers]
+        k = dirs.count("to_host")
+        assert dirs == ["to_host"] * k + ["to_device"] * (len(dirs) - k), f"to_host first: {dirs}"
+        for batch, (src_n, dst_n) in ((transfers[:k], (self.nb, self.hb)),
+                                      (transfers[k:], (self.hb, self.nb))):
+            dsts = [t.dst for t in batch]
+            assert len(set(dsts)) == len(dsts), f"a destination twice in one direction: {batch}"
+            assert all(0 <= t.src < src_n and 0 <= t.dst < dst_n for t in batch), batch
+        for d, h in self.swap_moves:  # every block swap_out moved is in this drain
+            assert Transfer("to_host", d, h) in transfers[:k], f"swap_out's {d} -> {h} is missing"
+        self.swap_moves = []
+        self.drained[0] += k
+        self.drained[1] += len(transfers) - k
+        if k and k < len(transfers):
+            event("both directions in one drain")
+
+    def after_drain(self, transfers, host_free):
+        """What a drain leaves on the host: its own events (write-through's copies, the host
+        evictions they cause), each hash published since the last drain in the block a transfer
+        of this step filled with exactly its tokens, and the host's counts."""
+        hprov = self.store.hprov
+        before = set(self.router_cpu)
+        at_drain = self.drain_events()
+        if self.caching and self.events:
+            if self.policy == "write-through":
+                assert set(at_drain) <= set(self.wt_ready), "write-through copied a block out early"
+                due = {h for h, ok in self.wt_ready.items() if ok and h not in before}
+                assert len(at_drain) == host_free or due <= set(at_drain), (
+                    "write-through left a block published two drains ago on the device only")
+                if at_drain:
+                    event("write-through copied blocks out")
+            else:
+                assert not at_drain, "write-back copied a block out at a drain"
+        self.wt_ready, self.wt_new = self.wt_new, {}
+        written = {t.dst: tuple(self.store.block(hprov, t.dst)) for t in transfers
+                   if t.direction == "to_host"}
+        for h in self.cpu_new:
+            node = self.hash_node.get(h)
+            if h not in self.router_cpu or node is None:
+                continue
+            want = tuple(self.block_nodes(node))
+            found = [b for b, data in written.items() if data == want]
+            assert found, "the host published a hash; no transfer of the step brought its tokens"
+            if len(found) == 1:
+                self.host_of[h] = found[0]
+            else:
+                self.host_of.pop(h, None)
+        self.cpu_new = []
+        assert set(self.host_evicted) <= set(written), "an evicted host block was left unused"
+        self.host_evicted = []
+        assert len(set(self.host_of.values())) == len(self.host_of), "one host block, two hashes"
+        for h, b in self.host_of.items():
+            want = self.block_nodes(self.hash_node[h])
+            assert self.store.block(hprov, b).tolist() == want, (
+                "a host block published under a hash does not hold the tokens it names")
+        u = self.m.usage()
+        assert [u.transfers_to_host, u.transfers_to_device] == self.drained
+        held = sum(len(pos) for pos in self.swapped.values())
+        assert u.host_used_blocks == held, "host blocks held by nothing but swapped sequences"
+        assert self.m.num_free_host_blocks == self.hb - held
+        if self.caching and self.events:
+            published_held = {h for h, b in self.host_of.items()
+                              if any(b in pos.values() for pos in self.swapped.values())}
+            assert u.host_cached_blocks + len(published_held) <= len(self.router_cpu)
+            assert len(self.router_cpu) <= u.host_cached_blocks + u.host_used_blocks
+
+    def attempt(self, fn, host=False):
+        """Run an allocating call; on OutOfBlocks check that nothing changed (``host``: the
+        call may run out of host blocks instead)."""
         before = self.state()
         try:
             return True, fn()
         except OutOfBlocks as e:
             event("OutOfBlocks")
             assert e.needed > e.available >= 0, (e.needed, e.available)
-            assert e.available <= self.m.num_free_blocks
+            room = max(self.m.num_free_blocks, self.m.num_free_host_blocks) if host else (
+                self.m.num_free_blocks)
+            assert e.available <= room
             self.assert_state(before, "a failed call")
             assert self.m.take_events() == []
             return False, None
@@ -289,21 +506,40 @@ class ManagerMachine(RuleBasedStateMachine):
         self.assert_state(before, "a refused call")
         assert self.m.take_events() == []
 
-    def drain_events(self, completed=(), allow_clear=False):
-        """Apply the call's events to the router's view.
+    def drain_events(self, completed=(), allow_clear=False, evicting=True, host_released=0):
+        """Apply the call's events to the router's views, one per medium; returns the hashes
+        the host published.
 
         ``completed`` lists ``(seq id, block index)`` for every block the call completed (all
-        its positions scheduled, none a pending draft): each published block must be one of
-        them, chained from the salt's root exactly when it is a block 0."""
+        its positions scheduled, none a pending draft) or loaded from the host: each block the
+        device publishes must be one of them, chained from the salt's root exactly when it is a
+        block 0. The host publishes only blocks the device published before; with ``evicting``
+        (the device's removals are evictions, not an uncached free), each evicted hash is on
+        the host afterwards unless the host had no block to spare (``host_released``: host
+        blocks the call let go of after its evictions)."""
         evs = self.m.take_events()
         if not self.events:
             assert evs == []
-            return
+            return []
         bs = self.bs
         cands = [(sid, i, tuple(self.model[sid][i * bs : (i + 1) * bs])) for sid, i in completed]
+        evicted, host_stored = set(), []  # evicted: not on the host when the device let go
+        left_device = set()
         for ev in evs:
-            if isinstance(ev, BlockStored):
-                assert self.caching
+            if isinstance(ev, BlockStored) and ev.medium == "CPU":
+                assert self.caching and self.hb and ev.block_size == bs
+                for h, parent, blk in stored_blocks([ev]):
+                    assert h not in self.router_cpu, "the host published a hash it holds"
+                    assert self.chain.get((parent, blk)) == h, (
+                        "the host published a block the device never did")
+                    self.router_cpu.add(h)
+                    self.cpu_new.append(h)
+                    host_stored.append(h)
+                    if h in evicted:
+                        event("eviction offloaded")
+                        evicted.discard(h)
+            elif isinstance(ev, BlockStored):
+                assert self.caching and ev.medium == "GPU"
                 assert ev.block_size == bs
                 for h, parent, blk in stored_blocks([ev]):
                     assert h not in self.router, "published a hash the cache already holds"
@@ -317,17 +553,40 @@ class ManagerMachine(RuleBasedStateMachine):
                         self.learn_root(salts.pop(), parent)
                     prev = self.chain.setdefault((parent, blk), h)
                     assert prev == h, "the same (parent, tokens) hashed differently"
+                    self.learn_node(h, parent, blk)
                     self.known.add(h)
                     self.router.add(h)
+                    self.wt_new[h] = True
+            elif isinstance(ev, BlockRemoved) and ev.medium == "CPU":
+                assert self.hb
+                event("host eviction")
+                for h in ev.block_hashes:
+                    assert h in self.router_cpu, "the host removed a hash it never stored"
+                    self.router_cpu.remove(h)
+                    if h in left_device:
+                        event("a hash left the device, then the host, in one call")
+                    if h in self.host_of:
+                        self.host_evicted.append(self.host_of.pop(h))
             elif isinstance(ev, BlockRemoved):
+                assert ev.medium == "GPU"
                 event("eviction")
                 for h in ev.block_hashes:
                     assert h in self.router, "removed a hash that was never stored"
                     self.router.remove(h)
                     self.n_removed += 1
+                    left_device.add(h)
+                    if h not in self.router_cpu:
+                        evicted.add(h)
+                    for pending in (self.wt_new, self.wt_ready):
+                        if h in pending:
+                            pending[h] = False
             else:
                 assert isinstance(ev, AllBlocksCleared) and allow_clear
                 self.router.clear()
+                self.router_cpu.clear()
+                self.host_of = {}
+                self.wt_new = dict.fromkeys(self.wt_new, False)
+                self.wt_ready = dict.fromkeys(self.wt_ready, False)
         # and each completed block is published now unless its content was published before
         # (then the cache already maps it): a block whose chain hash the events never named is
         # missing from the cache
@@ -336,6 +595,34 @@ class ManagerMachine(RuleBasedStateMachine):
             blk = tuple(self.model[sid][i * bs : (i + 1) * bs])
             assert parent is None or (parent, blk) in self.chain, (
                 f"block {i} of {sid} is complete but was never published")
+        if self.hb and self.caching and evicting and evicted:
+            event("eviction forgotten: no host block to spare")
+            assert self.m.num_free_host_blocks <= host_released, (
+                "an evicted block was not offloaded although the host had room")
+        return host_stored
+
+    def assert_published(self, sid, blocks):
+        """Each of these full blocks of ``sid`` is findable on the device (as the router sees
+        it), where the events taught its hash."""
+        if not (self.caching and self.events):
+            return
+        for i in blocks:
+            parent = self.chain_parent(sid, i)
+            h = self.chain.get((parent, tuple(self.model[sid][i * self.bs : (i + 1) * self.bs])))
+            assert h is None or h in self.router, f"block {i} of {sid} is not findable on the device"
+
+    def learn_node(self, h, parent, blk):
+        """The provenance id of the last position of the block ``h`` names, from its parent's
+        (or, for a block 0, its salt's root) and its tokens."""
+        node = self.hash_node.get(parent)
+        if node is None and parent in self.root_salt:
+            node = self.trie.get(("salt", self.root_salt[parent]))
+        for t in blk:
+            if node is None:
+                return
+            node = self.trie.get((node, t))
+        if node is not None:
+            self.hash_node[h] = node
 
     def chain_parent(self, sid, i):
         """The hash block ``i`` of ``sid`` chains from, as the events taught it; None if unknown."""
@@ -353,22 +640,28 @@ class ManagerMachine(RuleBasedStateMachine):
         known = self.roots.setdefault(salt, root)
         assert known == root, f"two roots for salt {salt!r}"
         assert list(self.roots.values()).count(root) == 1, "two salts share a root"
+        self.root_salt[root] = salt
 
     def expected_hit(self, prompt, salt):
-        """The longest run of the prompt's full blocks whose hashes the cache holds (as the
-        router sees it), never the whole prompt; None where events cannot tell."""
+        """The longest run of the prompt's full blocks whose hashes the device's cache holds,
+        then the run continuing it that the host's holds (as the router sees them), never the
+        whole prompt: ``(device tokens, host tokens)``; None where events cannot tell."""
         if not (self.caching and self.events):
             return None
         bs, cap = self.bs, (len(prompt) - 1) // self.bs
         parent, k = self.roots.get(salt), 0
         if parent is None:  # no first block under this salt was ever published
-            return 0
-        while k < cap:
-            h = self.chain.get((parent, tuple(prompt[k * bs : (k + 1) * bs])))
-            if h is None or h not in self.router:
-                break
-            parent, k = h, k + 1
-        return k * bs
+            return 0, 0
+        runs = []
+        for router in (self.router, self.router_cpu):
+            start = k
+            while k < cap:
+                h = self.chain.get((parent, tuple(prompt[k * bs : (k + 1) * bs])))
+                if h is None or h not in router:
+                    break
+                parent, k = h, k + 1
+            runs.append((k - start) * bs)
+        return tuple(runs)
 
     def expect_extend(self, sid, old_table, old_n, k, rc, new_table):
         """Check the table after appending ``k`` tokens; queue the copy it implies and mark the
@@ -434,13 +727,28 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     @op
+    def add_again(self, data):
+        """A later turn of a conversation that ended: a prompt extending what a freed sequence
+        held. Its blocks may be cached on the device, or evicted and offloaded to the host
+        tier (a host hit), or gone."""
+        if not self.history:
+            return self.add(data)
+        tokens, salt = data.draw(st.sampled_from(self.history), label="earlier")
+        if not tokens:
+            return self.add(data)
+        k = data.draw(st.integers(1, len(tokens)), label="prefix_len")
+        suffix = data.draw(st.lists(TOKEN, max_size=self.bs), label="suffix")
+        self._add(tokens[:k] + suffix, salt, self.draw_chunk(data))
+
+    @rule(data=st.data())
+    @op
     def preempt(self, data):
         """Free a sequence and re-admit its tokens (recompute preemption): hits on the blocks it
         just released, revived from the cached-free LRU. Preemption happens between steps."""
         if not self.model:
             return self.add(data)
         sid = data.draw(st.sampled_from(self.live()), label="seq")
-        if sid in self.store.writes:
+        if sid in self.store.writes or sid in self.loading:
             self.end_step()
         tokens, salt = self.model[sid], self.salt[sid]
         self._free(sid)
@@ -455,20 +763,28 @@ class ManagerMachine(RuleBasedStateMachine):
         if self.V2:
             before = self.state()
             looked = self.m.lookup(prompt, cache_salt=salt)
-            self.assert_state(before, "lookup")
+            # (the host's LRU order is probed when the lookup found blocks there)
+            self.assert_state(before, "lookup", host_probe=bool(looked.host))
             assert self.m.take_events() == [], "lookup queued events"
+        if looked is not None and looked.host:
+            event("lookup: host hit")
         kw = {} if chunk is None else {"prefill": chunk}
         ok, hit = self.attempt(lambda: self.m.add_sequence(sid, prompt, cache_salt=salt, **kw))
         if not ok:
             assert sid not in self.m
             return
+        device = hit
         if looked is not None:
             assert hit == looked, "lookup differs from the admission that follows it"
+            device, host = looked.device, looked.host
+            assert device + host == hit and device % bs == 0 and (host == 0 or self.hb)
         if want_hit is not None:
-            assert hit == want_hit, "not the longest cached prefix"
+            assert (device, hit - device) == want_hit, "not the longest cached prefix"
             if hit:
                 event("exact hit checked against the router's view")
         event(f"hit blocks: {hit // bs}")
+        if hit > device:
+            event("host hit" + (" after device hits" if device else ""))
         n = len(prompt)
         assert hit % bs == 0 and 0 <= hit <= (n - 1) // bs * bs
         if not self.caching:
@@ -485,24 +801,34 @@ class ManagerMachine(RuleBasedStateMachine):
         self.extend_nodes(sid, prompt)
         # prefix hits: computed slots (or computed in this very step) holding exactly this
         # prompt's prefix under this salt
-        held = self.store.view()[self.store.slots_of(table, 0, hit)].tolist()
+        # (a host hit's blocks once the step's loads have run)
+        pending = self.peek_transfers()
+        held = self.store.view(transfers=pending)[0][self.store.slots_of(table, 0, hit)].tolist()
         assert held == self.nodes[sid][:hit], "a hit on KV never computed, or not this prompt's"
         new_blocks = table[hit // bs :]
-        for b in table[: hit // bs]:
+        for b in table[: device // bs]:
             assert self.m.refcount(b) == rc[b] + 1
             if rc[b] == 0:
                 event("revived a cached block")
-        for b in new_blocks:
+        if looked is not None:
+            revived = sum(rc[b] == 0 for b in table[: device // bs])
+            assert looked.revived == revived, "PrefixHit.revived is not the cached-free hits"
+        for b in table[device // bs :]:  # loaded from the host, then newly scheduled
             assert rc[b] == 0 and self.m.refcount(b) == 1, "a new block was already in use"
         self.store.fresh.update(new_blocks)
         self.admissions += 1
+        if hit > device:
+            self.n_host_hit += hit - device
+        if set(table) & {t.dst for t in pending if t.direction == "to_device"}:
+            self.loading.add(sid)  # its own loads, or a hit on blocks another one loads
         slots = self.schedule(sid, table, hit, nc)
         if self.V2:
             assert self.m.slots(sid, hit, nc).tolist() == slots.tolist()
         if self.caching:
             self.n_query += n
             self.n_hit += hit
-        self.drain_events([(sid, i) for i in range(hit // bs, nc // bs)])
+        self.drain_events([(sid, i) for i in range(device // bs, nc // bs)])
+        self.assert_published(sid, range(hit // bs))
 
     @rule(data=st.data())
     @op
@@ -708,17 +1034,26 @@ class ManagerMachine(RuleBasedStateMachine):
     @op
     def free(self, data):
         """Any time: a sequence that scheduled nothing in this step, one that finished (after
-        the step's writes), or one dropped before its work was computed (``cache=False``)."""
+        the step's writes), or one dropped before its work was computed (``cache=False``).
+        A sequence whose only work in the step is loads from the host tier may also be freed
+        with ``cache=True`` before the step: its loads are dropped, and the blocks they were to
+        fill lose their device hashes (their K/V never arrives)."""
         if not self.model:  # nothing live yet: admit something instead
             return self.add(data)
         sid = data.draw(st.sampled_from(self.live()), label="seq")
-        if sid in self.store.writes:
-            if self.first_write[sid] == self.admissions and data.draw(st.booleans(), label="drop"):
-                event("dropped before compute")
+        if sid in self.store.writes or sid in self.loading:
+            first = self.first_write.get(sid, self.admissions)
+            if first == self.admissions and data.draw(st.booleans(), label="drop"):
+                event("dropped before compute" + (" (loads pending)" * (sid in self.loading)))
                 return self._free(sid, cache=False, drop=True)
+            if sid not in self.store.writes and data.draw(st.booleans(), label="before_loads"):
+                event("freed before its loads ran")
+                return self._free(sid)
             self.end_step()
         elif self.store.copies:
             event("free with copies pending")
+        if sid in self.swapped:
+            event("freed while swapped out")
         self._free(sid, cache=data.draw(st.booleans(), label="cache"))
 
     @rule(data=st.data())
@@ -747,30 +1082,296 @@ class ManagerMachine(RuleBasedStateMachine):
             event("dropped the holder of a pending copy's destination")
             self._free(ca, cache=False, drop=True)  # its copy goes with it
 
+    # ------------------------------------------------------------ the host tier: swapping
+
+    def swap_refusal(self, sid):
+        """Why ``swap_out(sid)`` must be refused now, or None: no host tier, swapped out
+        already, mid-prefill or drafts pending, or a copy or a transfer of its blocks is
+        pending (the signs that it was given blocks in this step)."""
+        if not self.hb:
+            return "no host tier"
+        if sid in self.swapped:
+            return "already swapped out"
+        if self.nc[sid] < len(self.model[sid]) or self.drafts[sid]:
+            return "not ready"
+        table = set(self.m.block_table(sid))
+        if table & {c.dst for c in self.store.copies}:
+            return "a copy into its block is pending"
+        for t in self.peek_transfers():
+            if (t.src if t.direction == "to_host" else t.dst) in table:
+                return "a transfer of its block is pending"
+        return None
+
+    @precondition(lambda self: self.hb)
+    @rule(data=st.data())
+    @op
+    def swap_out(self, data):
+        """Swap preemption at a legal point (before anything is appended to the sequence in
+        this step: a sequence appended to waits for the step's end), or an attempt the
+        contract refuses."""
+        if not self.model:
+            return self.add(data)
+        ok = [s for s in self.live() if self.swap_refusal(s) is None]
+        if not ok and self.swapped and data.draw(st.integers(0, 3), label="swap_in_instead"):
+            return self._swap_in(data.draw(st.sampled_from(sorted(self.swapped)), label="seq"))
+        sid = self.pick(data, "seq", lambda s: s in ok)
+        why = self.swap_refusal(sid)
+        if why is not None:
+            event(f"swap_out refused: {why}")
+            return self.refused(lambda: self.m.swap_out(sid))
+        if sid in self.store.writes:  # the manager cannot tell; the engine waits for the step
+            self.end_step()
+        self._swap_out(sid)
+
+    def _swap_out(self, sid):
+        m = self.m
+        table = m.block_table(sid)
+        private = {i for i, b in enumerate(table) if m.refcount(b) == 1}
+        free, host_free = m.num_free_blocks, m.num_free_host_blocks
+        ok, _ = self.attempt(lambda: m.swap_out(sid), host=True)
+        if not ok:
+            event("swap_out out of host blocks")
+            return
+        assert m.block_table(sid) == [-1 if i in private else b for i, b in enumerate(table)]
+        assert m.num_swapped_blocks(sid) == len(private)
+        assert (m.num_free_blocks, m.num_free_host_blocks) == (
+            free + len(private), host_free - len(private))
+        out = [t for t in self.peek_transfers() if t.direction == "to_host"]
+        moved = {t.src: t.dst for t in out}
+        sources = Counter(t.src for t in out)
+        assert all(sources[table[i]] == 1 for i in private), "one to_host per block swapped out"
+        self.swapped[sid] = {i: moved[table[i]] for i in private}
+        self.swap_moves += [(table[i], moved[table[i]]) for i in private]
+        event("swapped out" + (" (shared blocks stay)" if len(private) < len(table) else ""))
+        self.drain_events()
+
+    @precondition(lambda self: self.hb)
+    @rule(data=st.data())
+    @op
+    def swap_in(self, data):
+        """Bring a swapped-out sequence back (any time in a step: its loads run before the
+        step's writes), or swap in one that is not swapped out (refused)."""
+        if not self.model:
+            return self.add(data)
+        out = [s for s in self.live() if s in self.swapped]
+        if not out and data.draw(st.integers(0, 3), label="swap_out_instead"):
+            return self.swap_out(data)
+        if not out or not data.draw(st.integers(0, 7), label="swapped"):
+            sid = data.draw(st.sampled_from(self.live()), label="seq")
+            if sid not in self.swapped:
+                event("swap_in refused")
+                return self.refused(lambda: self.m.swap_in(sid))
+        else:
+            sid = data.draw(st.sampled_from(out), label="seq")
+        self._swap_in(sid)
+        if sid in self.model:
+            self.cancel_loading(sid, data)
+
+    def _swap_in(self, sid):
+        m, bs = self.m, self.bs
+        table, where = m.block_table(sid), self.swapped[sid]
+        rc = [m.refcount(b) for b in range(self.nb)]
+        cached = m.usage().cached_blocks
+        loads = [t for t in self.peek_transfers() if t.direction == "to_device"]
+        free, host_free = m.num_free_blocks, m.num_free_host_blocks
+        offloads = m.usage().transfers_to_host
+        ok, _ = self.attempt(lambda: m.swap_in(sid))
+        if not ok:
+            event("swap_in out of device blocks")
+            return
+        new = m.block_table(sid)
+        assert [b for i, b in enumerate(new) if i not in where] == [b for b in table if b >= 0]
+        assert min(new, default=0) >= 0 and m.num_swapped_blocks(sid) == 0
+        moved = Counter(new[i] for i in where)
+        for b, k in moved.items():
+            assert m.refcount(b) == rc[b] + k
+        # a block still cached on the device is revived; the others are loaded from the host
+        # block that holds them, into blocks that were free
+        queued = {t.dst: t.src for t in self.peek_transfers() if t.direction == "to_device"}
+        loaded = [i for i in where if new[i] in queued and new[i] not in {t.dst for t in loads}]
+        revived = [i for i in where if i not in loaded]
+        for i in loaded:
+            assert queued[new[i]] == where[i] and rc[new[i]] == 0, "loaded from the wrong block"
+        for i in revived:
+            assert i < self.nc[sid] // bs, "only a full, published block can be revived"
+        taken = sum(rc[new[i]] == 0 for i in where)
+        assert m.num_free_blocks == free - taken
+        assert m.usage().cached_blocks <= cached
+        pinned = {h for _, h in self.swap_moves} | {t.src for t in loads}
+        back = [where[i] for i in revived if where[i] not in pinned]
+        offloads = m.usage().transfers_to_host - offloads  # blocks its allocation evicted
+        assert m.num_free_host_blocks == host_free + len(back) - offloads, (
+            "the host copies of revived blocks come free")
+        event(f"swapped in: {len(loaded)} loaded, {len(revived)} revived")
+        del self.swapped[sid]
+        if set(new) & set(queued):  # loads of its own, or revived blocks another one loads
+            self.loading.add(sid)
+        done = [(sid, i) for i in sorted(loaded) if i < self.nc[sid] // bs]
+        self.drain_events(done, host_released=len(back))
+        self.assert_published(sid, range(self.nc[sid] // bs))
+
+    @precondition(lambda self: self.hb)
+    @rule(data=st.data())
+    @op
+    def swap_after_append(self, data):
+        """The illegal point set up on purpose: a fork's child copies its shared partial block
+        on write, so swapping it out in this step is refused; its parent, now the block's only
+        holder and not appended to, may be swapped out while the copy still reads the block."""
+        partial = [s for s in self.live() if not self.blocked(s) and self.nc[s] % self.bs]
+        if not partial:
+            return
+        self.end_step()
+        parent = data.draw(st.sampled_from(partial), label="parent")
+        child = self._fork(parent)
+        self._append(child, [3], lambda: [self.m.append_token(child, 3)])
+        if self.swap_refusal(child) is not None:
+            event("swap_out refused after copy-on-write")
+            self.refused(lambda: self.m.swap_out(child))
+        if self.swap_refusal(parent) is None and data.draw(st.booleans(), label="parent_out"):
+            if self.store.copies:
+                event("swapped out a pending copy's source")
+            self._swap_out(parent)
+
+    @precondition(lambda self: self.hb)
+    @rule(data=st.data())
+    @op
+    def crowd_host(self, data):
+        """Swap preemption until the host tier is full, set up on purpose: admit a prompt as
+        long as the device's free blocks allow and swap it out, until ``swap_out`` runs out of
+        host blocks (which changes nothing). Offloads find no host block to spare afterwards."""
+        self.end_step()
+        base = data.draw(st.sampled_from(PREFIXES), label="base")
+        for _ in range(4):
+            k = self.m.num_free_blocks
+            if not k:
+                return
+            before = set(self.model)
+            # a salt of its own: it hits nothing, and evicts what the device caches
+            self._add((base * k)[: k * self.bs], f"crowd {self.next_id}")
+            [sid] = set(self.model) - before or [None]
+            if sid is None:
+                return
+            self.end_step()
+            if self.swap_refusal(sid) is None:
+                free = self.m.num_free_host_blocks
+                self._swap_out(sid)
+                if sid not in self.swapped:
+                    assert self.m.num_free_host_blocks == free
+                    return
+
+    @precondition(lambda self: self.hb and self.caching)
+    @rule(data=st.data())
+    @op
+    def offload_and_return(self, data):
+        """A prefix pushed off the device and asked for again, set up on purpose: a finished
+        sequence is freed (its blocks stay cached), a prompt under a salt of its own takes
+        every free device block (evicting them: offloaded to the host, unless already there),
+        and after that step a prompt extending the freed sequence's tokens comes back: a hit
+        that continues on the host, loaded into fresh device blocks."""
+        done = [s for s in self.live() if not self.blocked(s) and self.nc[s] >= self.bs]
+        if not done:
+            return self.add(data)
+        self.end_step()
+        sid = data.draw(st.sampled_from(done), label="seq")
+        tokens, salt = self.model[sid], self.salt[sid]
+        self._free(sid)
+        k = self.m.num_free_blocks
+        if k:
+            before = set(self.model)
+            self._add([5] * (k * self.bs), f"filler {self.next_id}")
+            self.end_step()
+            for filler in set(self.model) - before:
+                self._free(filler, cache=data.draw(st.booleans(), label="cache"))
+        if data.draw(st.booleans(), label="hazard"):  # a freed block a pending copy reads:
+            self.free_a_copy_source(data)  # never a load's destination
+        n = max(1, len(tokens) - data.draw(st.integers(0, self.bs), label="cut"))
+        suffix = data.draw(st.lists(TOKEN, max_size=self.bs), label="suffix")
+        before = set(self.model)
+        self._add(tokens[:n] + suffix, salt, self.draw_chunk(data))
+        for again in set(self.model) - before:  # cancelled before its step ran, loads pending
+            self.cancel_loading(again, data)
+
+    def cancel_loading(self, sid, data):
+        """Sometimes cancel ``sid`` while its loads from the host are pending: dropped with
+        ``cache=False``, or (with nothing else scheduled for it) freed with ``cache=True``."""
+        if sid not in self.loading:
+            return
+        how = data.draw(st.sampled_from(["keep", "drop", "free"]), label="cancel")
+        if how == "drop":
+            event("dropped before compute (loads pending)")
+            self._free(sid, cache=False, drop=True)
+        elif how == "free" and sid not in self.store.writes:
+            event("freed before its loads ran")
+            tokens, salt = self.model[sid], self.salt[sid]
+            self._free(sid)
+            if data.draw(st.booleans(), label="asked_again"):  # must not hit the unloaded blocks
+                self._add(tokens, salt, self.draw_chunk(data))
+
+    def free_a_copy_source(self, data):
+        """Between steps: fork a sequence whose last block is partial, let the child copy it on
+        write, and free the parent, so that the block is free while the pending copy reads it."""
+        partial = [s for s in self.live() if not self.blocked(s) and self.nc[s] % self.bs]
+        if not partial:
+            return
+        parent = data.draw(st.sampled_from(partial), label="parent")
+        child = self._fork(parent)
+        self._append(child, [1], lambda: [self.m.append_token(child, 1)])
+        if self.store.copies:
+            event("freed the source of a pending copy")
+        self._free(parent, cache=data.draw(st.booleans(), label="cache"))
+
     def _free(self, sid, cache=True, drop=False):
-        table = self.m.block_table(sid)
+        table = [b for b in self.m.block_table(sid) if b >= 0]  # a swapped one's device part
         mine = {b for b in set(table) if self.m.refcount(b) == table.count(b)}
         free, cached = self.m.num_free_blocks, self.m.usage().cached_blocks
+        if self.hb:
+            loads = [t for t in self.peek_transfers() if t.direction == "to_device"]
+            host_free = self.m.num_free_host_blocks
         self.m.free(sid, cache=cache)
         assert sid not in self.m
         assert self.m.num_free_blocks == free + len(mine)
+        dropped = self.check_host_release(sid, mine, loads, host_free) if self.hb else 0
         # a pending copy into a block of this sequence has nothing left to serve
         self.store.copies = [c for c in self.store.copies if c.dst not in mine]
         if drop:  # its scheduled work never runs
-            del self.store.writes[sid], self.first_write[sid]
+            self.store.writes.pop(sid, None)
+            self.first_write.pop(sid, None)
+        self.loading.discard(sid)
+        self.swapped.pop(sid, None)
+        if not drop:
+            self.history = self.history[-7:] + [(self.model[sid][: self.nc[sid]], self.salt[sid])]
         for d in (self.model, self.salt, self.nc, self.drafts, self.nodes):
             del d[sid]
         self.freed_ids.append(sid)
-        if cache:
+        if cache and not dropped:
             assert self.m.take_events() == []  # freeing publishes and evicts nothing
             return
-        # An uncached free unpublishes what only this sequence held: nothing new is revivable,
-        # and the removals it reports are not evictions.
-        event("free(cache=False)")
-        assert self.m.usage().cached_blocks == cached
+        # An uncached free unpublishes what only this sequence held, a cached one the blocks
+        # whose loads it dropped: the removals it reports are not evictions.
+        if cache:
+            event("a cached free unpublished the blocks of the loads it dropped")
+        else:
+            event("free(cache=False)")
+            assert self.m.usage().cached_blocks == cached
         removed_before = self.n_removed
-        self.drain_events()
+        self.drain_events(evicting=False)
         self.n_removed = removed_before
+
+    def check_host_release(self, sid, mine, loads, host_free):
+        """After freeing ``sid``: the loads into the blocks it released are dropped (and only
+        those), and its host blocks and the dropped loads' sources come free unless a swapped
+        sequence or a pending transfer still holds them. Returns how many loads it dropped."""
+        left = [t for t in self.peek_transfers() if t.direction == "to_device"]
+        dropped = Counter(loads) - Counter(left)
+        assert set(dropped) == {t for t in loads if t.dst in mine}, (
+            "a free must drop exactly the loads into the blocks it releases")
+        if dropped:
+            event("a free dropped pending loads")
+        held = {h for _, h in self.swap_moves} | {t.src for t in left}
+        held |= {h for s, pos in self.swapped.items() if s != sid for h in pos.values()}
+        released = set(self.swapped.get(sid, {}).values()) | {t.src for t in dropped}
+        assert self.m.num_free_host_blocks == host_free + len(released - held)
+        return len(dropped)
 
     @rule()
     @op
@@ -784,12 +1385,17 @@ class ManagerMachine(RuleBasedStateMachine):
             event("reset done")
             u = self.m.usage()
             assert u.cached_blocks == 0 and self.m.num_free_blocks == self.nb
+            assert u.host_cached_blocks == 0 and self.m.num_free_host_blocks == self.hb
             evs = self.m.take_events()
             if self.events and self.caching:
                 assert evs == [AllBlocksCleared()]
             else:  # with caching off there is no cache to clear: an event is optional
                 assert evs in ([], [AllBlocksCleared()]) and (self.events or not evs)
             self.router.clear()
+            self.router_cpu.clear()
+            self.host_of = {}
+            self.wt_new = dict.fromkeys(self.wt_new, False)
+            self.wt_ready = dict.fromkeys(self.wt_ready, False)
         else:
             assert self.snap() == before
             assert self.m.take_events() == []
@@ -812,6 +1418,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m, twin = pickle.loads(blob), pickle.loads(blob)
         assert self.snap() == before
         self.m.check_invariants()
+        if self.hb:  # pending transfers and the host's LRU order survive too
+            assert self.host_order(old) == self.host_order(twin)
         # the LRU order survives: the original and an unpickled twin hand out the same blocks
         orders = []
         for m in (old, twin):
@@ -830,6 +1438,10 @@ class ManagerMachine(RuleBasedStateMachine):
         kinds = ["unknown", "dup", "token", "batch_dup", "batch_len", "empty"]
         if self.V2:
             kinds += ["prefill_past", "accept_past", "bad_budget", "lookup_empty", "slots_past"]
+        if self.swapped:
+            kinds += ["export_swapped", "export_swapped"]
+        if self.V2 and not self.hb:
+            kinds += ["swap_no_tier"]
         kind = data.draw(st.sampled_from(kinds), label="kind")
         exc = ValueError
         if kind == "unknown":
@@ -856,6 +1468,14 @@ class ManagerMachine(RuleBasedStateMachine):
             call = lambda: self.m.lookup([])  # noqa: E731
         elif kind == "slots_past" and live:
             call = lambda: self.m.slots(live[0], 0, self.nc[live[0]] + 1)  # noqa: E731
+        elif kind == "swap_no_tier" and live:
+            call = lambda: self.m.swap_out(live[-1])  # noqa: E731
+        elif kind == "export_swapped":
+            event("export of a swapped-out sequence refused")
+            out = data.draw(st.sampled_from(sorted(self.swapped)), label="swapped")
+            export = data.draw(st.sampled_from(["block_tables", "flashinfer_layout", "slots"]))
+            arg = out if export == "slots" else [s for s in live if s != out] + [out]
+            call = lambda: getattr(self.m, export)(arg)  # noqa: E731
         else:
             call = lambda: self.m.add_sequence(self.new_id(), [])  # noqa: E731
         self.refused(call, exc)
@@ -869,9 +1489,12 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         m, bs = self.m, self.bs
         m.check_invariants()
-        held = self.store.view()
+        u = m.usage()
+        pending = self.peek_transfers(u)
+        held, host_held = self.store.view(transfers=pending)
         refs = [0] * self.nb
         fill: dict[int, int] = {}
+        logical = logical_blocks = 0
         for sid, tokens in self.model.items():
             n, nc = len(tokens), self.nc[sid]
             table = m.block_table(sid)
@@ -881,15 +1504,27 @@ class ManagerMachine(RuleBasedStateMachine):
             if self.V2:
                 assert m.num_computed(sid) == nc
             assert len(table) == math.ceil(nc / bs)
-            read = held[self.store.slots_of(table, 0, nc)].tolist()
-            assert read == self.nodes[sid][:nc], f"KV content of {sid} is wrong"
+            where = self.swapped.get(sid, {})
+            assert sorted(where) == [i for i, b in enumerate(table) if b < 0], (
+                "a swapped-out sequence's table must show -1 exactly at its host positions")
+            read = held[self.store.slots_of(table, 0, nc)]
+            if where:  # host positions read from the host blocks that hold them
+                host_table = [where.get(i, -1) for i in range(len(table))]
+                pos = np.arange(nc)
+                on_host = np.isin(pos // bs, list(where))
+                read[on_host] = host_held[self.store.slots_of(host_table, 0, nc)[on_host]]
+            assert read.tolist() == self.nodes[sid][:nc], f"KV content of {sid} is wrong"
             for i, b in enumerate(table):
+                if b < 0:
+                    continue
                 refs[b] += 1
                 f = min(bs, nc - i * bs)
+                logical += f
+                logical_blocks += 1
                 assert fill.setdefault(b, f) == f, "holders of a block disagree on its fill"
         assert [m.refcount(b) for b in range(self.nb)] == refs
-        # the kernel exports agree with the tables (any order of sequences)
-        ids = self.live()[::-1]
+        # the kernel exports agree with the tables (any order of sequences on the device)
+        ids = [s for s in self.live()[::-1] if s not in self.swapped]
         tables = [m.block_table(s) for s in ids]
         width = max(map(len, tables), default=0)
         bt = m.block_tables(ids)
@@ -903,16 +1538,15 @@ class ManagerMachine(RuleBasedStateMachine):
             (self.nc[s] - 1) % bs + 1 for s in ids if self.nc[s]
         ]
         used = sum(1 for r in refs if r)
-        u = m.usage()
         assert (u.num_blocks, u.block_size) == (self.nb, bs)
         assert u.num_sequences == m.num_sequences == len(self.model)
-        assert u.logical_tokens == sum(self.nc.values())
+        assert u.logical_tokens == logical  # a swapped-out sequence counts its device part
         assert u.stored_tokens == sum(fill.values())
         assert u.used_blocks == used
         assert u.allocated_slots == used * bs
         if used:
             assert abs(u.internal_fragmentation - (1 - u.stored_tokens / (used * bs))) < 1e-9
-        assert u.blocks_saved_by_sharing == sum(math.ceil(c / bs) for c in self.nc.values()) - used
+        assert u.blocks_saved_by_sharing == logical_blocks - used
         assert u.free_blocks + u.cached_blocks == m.num_free_blocks == self.nb - used
         assert (u.prefix_query_tokens, u.prefix_hit_tokens) == (self.n_query, self.n_hit)
         assert (u.cow_copies, u.forks) == (self.n_cow, self.n_forks)
@@ -921,8 +1555,33 @@ class ManagerMachine(RuleBasedStateMachine):
         if self.events:
             assert u.evictions == self.n_removed
             assert len(self.router) >= u.cached_blocks
+        self.check_host_usage(u, pending)
         live = {s: (len(t), self.nc[s], self.drafts[s]) for s, t in self.model.items()}
-        note(f"live (tokens, computed, drafts)={live} usage={u}")
+        note(f"live (tokens, computed, drafts)={live} swapped={self.swapped} usage={u}")
+
+    def check_host_usage(self, u, pending):
+        """``usage()``'s host fields against the model: every host block held is held by a
+        swapped-out sequence or pinned by a transfer not drained yet."""
+        if not self.V2:
+            return
+        assert (u.host_blocks, self.m.num_host_blocks) == (self.hb, self.hb)
+        assert u.swapped_sequences == len(self.swapped)
+        assert u.host_hit_tokens == self.n_host_hit
+        if not self.hb:
+            return
+        into = [t for t in pending if t.direction == "to_device"]
+        assert u.transfers_to_device == self.drained[1] + len(into)
+        swapped = [h for pos in self.swapped.values() for h in pos.values()]
+        assert len(set(swapped)) == len(swapped), "one host block holds two swapped positions"
+        held = set(swapped)
+        held |= {t.dst for t in pending if t.direction == "to_host"} | {t.src for t in into}
+        assert u.host_used_blocks == len(held) == self.hb - self.m.num_free_host_blocks
+        assert u.host_cached_blocks <= self.hb - u.host_used_blocks
+        for sid, where in self.swapped.items():
+            assert self.m.num_swapped_blocks(sid) == len(where)
+        if self.caching and self.events:
+            assert u.host_cached_blocks <= len(self.router_cpu)
+            assert len(self.router_cpu) <= u.host_cached_blocks + u.host_used_blocks
 
 
 class Sha256Machine(ManagerMachine):
@@ -931,10 +1590,12 @@ class Sha256Machine(ManagerMachine):
 
 class BuiltinMachine(ManagerMachine):
     algo = "builtin"
+    TIERS = False  # the host tier is the same for every digest: the sha256 machine drives it
 
 
 class Xxh3Machine(ManagerMachine):
     algo = "xxh3"
+    TIERS = False
 
 
 # The backbone runs once at full depth (STATEFUL_FACTOR times the profile's examples), with the

@@ -966,7 +966,10 @@ class KVCacheManager:
         ``cache=False`` is for a sequence whose K/V was never (fully) written, such as a request
         dropped after it was scheduled but before its step ran: the blocks it alone holds are
         unpublished and return clean, so no later prompt can hit content that was never
-        computed. Blocks another sequence still holds keep their hashes.
+        computed. Blocks another sequence still holds keep their hashes. Either way, a block it
+        alone holds whose host-tier load is still pending (a host hit or a ``swap_in`` of this
+        step) loses its load and its device hash: its K/V never arrives, and the host copy stays
+        findable on the host.
         """
         if not isinstance(cache, bool):
             raise ValueError(f"cache must be a bool, got {cache!r}")
@@ -983,10 +986,13 @@ class KVCacheManager:
         if self._copy_dst:
             self._drop_copies_into([b for b in table if b in self._copy_dst and refcount(b) == 1])
         tier = self._tier
+        unloaded: list[int] = []
         if tier is not None and tier.has_pending():
-            tier.drop_loads_into([b for b in table if tier.is_load_destination(b) and refcount(b) == 1])
-        if not cache and self._cache is not None:
-            mine = [b for b in table if refcount(b) == 1]
+            unloaded = [b for b in table if tier.is_load_destination(b) and refcount(b) == 1]
+            tier.drop_loads_into(unloaded)
+        if self._cache is not None and (unloaded or not cache):
+            # a dropped load never fills its block: like unwritten K/V, it must not stay findable
+            mine = unloaded if cache else [b for b in table if refcount(b) == 1]
             self._cache.unpublish(mine)
             if self._write_through:
                 tier.forget_published(mine)
