@@ -133,8 +133,11 @@ def test_tp_that_does_not_divide_the_kv_heads(capsys):
 
 def test_ctrl_c_is_a_short_message_and_exit_130():
     env = {**os.environ, "PYTHONPATH": str(SRC)}
+    # A background job of a shell without job control inherits SIGINT ignored, and Python then
+    # keeps ignoring it: give the child the default disposition, as a terminal would.
     proc = subprocess.Popen([sys.executable, "-m", "pagedkv", "report"], env=env, text=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stderr.readline().startswith("[pagedkv report]")  # the work has started
         proc.send_signal(signal.SIGINT)
