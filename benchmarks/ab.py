@@ -1,0 +1,156 @@
+"""A/B of the allocator's hot paths between two source trees, in one process.
+
+    python benchmarks/ab.py OLD_SRC NEW_SRC [--rounds 5000] [--events off] [--caching off]
+
+``OLD_SRC`` and ``NEW_SRC`` are ``src`` directories (a worktree of the commit before, and this
+one): ``git worktree add /tmp/before HEAD~1`` then ``python benchmarks/ab.py /tmp/before/src src``.
+
+Why in one process: timing the two trees in separate processes, even alternating them, measured the
+same code (one tree copied to two paths) 5 to 20% apart on a 2-core VM, from process-level effects
+(memory layout, the path strings themselves) that persist for a process's lifetime. Here each
+tree's package is copied under its own name (``pagedkv_a``, ``pagedkv_b``) and imported side by
+side; both get identical managers (256 running sequences, prompts of 200..2,000 tokens, block size
+16, sha256) and every round times each operation on each tree in turn, the order alternating
+between rounds, so machine drift hits both alike. Even so, the tree imported first or second runs a
+few per cent apart (the same code in both slots shows it), so the script makes two passes, the
+second in a fresh process with the import order swapped, and prints both ratios and their geometric
+mean: the spread between the passes is the harness's own noise, to be reported with the result.
+
+Rows: one ``append_batch`` decode step of the 256 sequences (one in 16 fills a block and
+publishes it), ``append_token`` into a block with room, and the admission of a 1,000-token prompt
+that hits nothing (freed uncached after each sample).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+BLOCK_SIZE = 16
+
+
+def load(src: Path, name: str, into: Path):
+    """Import the ``pagedkv`` package under ``src`` as ``name`` (its imports are relative)."""
+    shutil.copytree(src / "pagedkv", into / name)
+    return importlib.import_module(name)
+
+
+def workload(rounds: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(200, 2001, size=256)
+    return {
+        "lens": lens,
+        "prompts": [rng.integers(0, 32000, size=int(n)).tolist() for n in lens],
+        "steps": [rng.integers(0, 32000, size=256).tolist() for _ in range(rounds)],
+        "admissions": [rng.integers(0, 32000, size=1000).tolist() for _ in range(rounds // 10 + 1)],
+    }
+
+
+def build(pkg, wl: dict, rounds: int, kw: dict):
+    need = int(sum(-(-(int(n) + rounds + 20) // BLOCK_SIZE) for n in wl["lens"]))
+    m = pkg.KVCacheManager(num_blocks=need + 4096, block_size=BLOCK_SIZE, **kw)
+    ids = [f"s{i}" for i in range(256)]
+    for sid, prompt in zip(ids, wl["prompts"]):
+        m.add_sequence(sid, prompt)
+    m.add_sequence("one", list(range(17)))
+    m.take_events()
+    m.take_copies()
+    return m, ids
+
+
+def run(pkgs: dict, wl: dict, rounds: int, kw: dict) -> dict:
+    state = {name: build(pkg, wl, rounds, kw) for name, pkg in pkgs.items()}
+    rows = ("append_batch, 256 seqs", "append_token, room in block", "admission, 1,000 tokens, no hit")
+    out = {name: {r: [] for r in rows} for name in pkgs}
+    clock = time.perf_counter_ns
+    names = list(pkgs)
+    gc.disable()
+    try:
+        for i in range(rounds):
+            for name in names if i % 2 == 0 else names[::-1]:
+                m, ids = state[name]
+                res = out[name]
+                t0 = clock()
+                m.append_batch(ids, wl["steps"][i])
+                res[rows[0]].append(clock() - t0)
+                m.take_events()
+                t0 = clock()
+                m.append_token("one", 5)
+                res[rows[1]].append(clock() - t0)
+                if m.num_tokens("one") % BLOCK_SIZE == 15:  # keep appending into a block with room
+                    m.free("one")
+                    m.add_sequence("one", list(range(17)))
+                if i % 10 == 0:
+                    t0 = clock()
+                    m.add_sequence("adm", wl["admissions"][i // 10])
+                    res[rows[2]].append(clock() - t0)
+                    m.free("adm", cache=False)
+                    m.take_events()
+            if i % 200 == 199:
+                gc.enable()
+                gc.collect()
+                gc.disable()
+    finally:
+        gc.enable()
+    return out
+
+
+def measure(old: Path, new: Path, rounds: int, kw: dict, swap: bool) -> dict:
+    """Medians (µs) of every row for each tree; ``swap`` imports the new tree first, under the
+    first name."""
+    with tempfile.TemporaryDirectory() as tmp:
+        sys.path.insert(0, tmp)
+        first, second = (new, old) if swap else (old, new)
+        loaded = {"first": load(first, "pagedkv_a", Path(tmp)), "second": load(second, "pagedkv_b", Path(tmp))}
+        out = run(loaded, workload(rounds), rounds, kw)
+    med = {k: {row: statistics.median(v) / 1000 for row, v in rows.items()} for k, rows in out.items()}
+    return {"new": med["first"], "old": med["second"]} if swap else {"old": med["first"], "new": med["second"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("old", type=Path, help="the 'src' directory of the tree to compare against")
+    ap.add_argument("new", type=Path, help="the 'src' directory of the tree under test")
+    ap.add_argument("--rounds", type=int, default=5000, help="samples of append_batch and append_token")
+    ap.add_argument("--events", choices=("on", "off"), default="on")
+    ap.add_argument("--caching", choices=("on", "off"), default="on")
+    ap.add_argument("--swap", action="store_true", help=argparse.SUPPRESS)  # one pass, new tree first
+    args = ap.parse_args()
+    for src in (args.old, args.new):
+        if not (src / "pagedkv" / "__init__.py").is_file():
+            ap.error(f"{src} is not a src directory holding the pagedkv package")
+    if args.rounds < 10:
+        ap.error("--rounds must be at least 10")
+    kw = {"enable_events": args.events == "on", "enable_prefix_caching": args.caching == "on"}
+    if args.swap:  # a child pass: print its medians for the parent
+        print(json.dumps(measure(args.old, args.new, args.rounds, kw, swap=True)))
+        return 0
+    passes = [measure(args.old, args.new, args.rounds, kw, swap=False)]
+    child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--swap"], capture_output=True,
+                           text=True, check=True)
+    passes.append(json.loads(child.stdout))
+    print(f"{args.rounds} rounds a pass, events {args.events}, caching {args.caching}; medians in µs;"
+          f" pass 1 imports the old tree first, pass 2 the new one")
+    print(f"{'row':34s} {'old':>9s} {'new':>9s} {'new/old 1':>10s} {'new/old 2':>10s} {'geo mean':>9s}")
+    for row in passes[0]["old"]:
+        ratios = [p["new"][row] / p["old"][row] for p in passes]
+        a = statistics.median(p["old"][row] for p in passes)
+        b = statistics.median(p["new"][row] for p in passes)
+        print(f"{row:34s} {a:9.3f} {b:9.3f} {ratios[0]:10.3f} {ratios[1]:10.3f} "
+              f"{math.sqrt(ratios[0] * ratios[1]):9.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
