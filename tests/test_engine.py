@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from pagedkv.engine import Engine, _log_softmax  # noqa: E402
 from pagedkv.model import PagedLlama  # noqa: E402
+from llama_setup import tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.oracle  # every test here runs the transformers model (as oracle or weights)
 
@@ -24,17 +25,6 @@ def _one_thread(one_torch_thread):
     """Every test here runs with one torch thread (see conftest)."""
 
 
-PAD = 0
-
-
-def tiny_llama(seed: int = 0):
-    """Seeded random LlamaForCausalLM: hidden 64, 2 layers, 4 heads on 2 KV heads, vocab 256."""
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=256, intermediate_size=128, max_position_embeddings=512, rope_theta=500.0,
-        initializer_range=0.1, pad_token_id=PAD, bos_token_id=None, eos_token_id=None)
-    return transformers.LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,12 @@ transformers = pytest.importorskip("transformers")
 from pagedkv import KVCacheManager  # noqa: E402
 from pagedkv.engine import Engine  # noqa: E402
 from pagedkv.model import PagedLlama  # noqa: E402
+from llama_setup import hf_greedy, prompts_of, tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.oracle
 
 ATOL = 1e-4
 DIVERGED = 1e-2
-PAD = 0
 POLICIES = ["write-back", "write-through"]
 
 
@@ -35,13 +35,7 @@ def _one_thread(one_torch_thread):
 
 @pytest.fixture(scope="module")
 def hf():
-    """A seeded random LlamaForCausalLM: hidden 64, 2 layers, 4 heads on 2 KV heads, vocab 256."""
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=256, intermediate_size=128, max_position_embeddings=512, rope_theta=500.0,
-        initializer_range=0.1, pad_token_id=PAD, bos_token_id=None, eos_token_id=None)
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return tiny_llama()
 
 
 @pytest.fixture(scope="module", params=["torch", "numpy"])
@@ -49,24 +43,10 @@ def model(hf, request):
     return PagedLlama.from_transformers(hf, backend=request.param)
 
 
-def prompts_of(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(1, 256, n).tolist() for n in lengths]
-
-
-def hf_greedy(hf, prompt, new_tokens):
-    """transformers' greedy generate of one prompt: tokens [new], logits [new, V]."""
-    ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                      min_new_tokens=new_tokens, do_sample=False, output_logits=True,
-                      return_dict_in_generate=True, pad_token_id=PAD, eos_token_id=None)
-    return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits, dim=1)[0].numpy()
-
-
 def oracle_error(hf, prompt, sample) -> tuple[float, bool]:
     """(largest |logit - transformers|, whether the tokens are transformers' greedy tokens)."""
-    tokens, logits = hf_greedy(hf, prompt, len(sample.tokens))
-    return float(np.abs(np.stack(sample.logits) - logits).max()), sample.tokens == tokens
+    tokens, logits = hf_greedy(hf, [prompt], len(sample.tokens))
+    return float(np.abs(np.stack(sample.logits) - logits[0]).max()), sample.tokens == tokens[0].tolist()
 
 
 # ---- a prefix served from the host tier

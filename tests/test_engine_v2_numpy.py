@@ -19,11 +19,10 @@ from hypothesis import strategies as st
 from pagedkv import KVCacheManager, OutOfBlocks
 from pagedkv.engine import Engine
 from pagedkv.model import LlamaDims, PagedLlama
+from llama_setup import DIMS, prompts_of
 from pagedkv.speculative import DraftModelDrafter, NgramDrafter, ngram_drafts
 
 ATOL = 1e-4  # float32: paged and dense differ by ~2e-6 (summation order)
-DIMS = LlamaDims(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                 num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=500.0)
 PROMPTS = (5, 16, 23, 40, 100)
 NEW = 16
 
@@ -31,11 +30,6 @@ NEW = 16
 @pytest.fixture(scope="module")
 def model():
     return PagedLlama.random(DIMS, seed=0)
-
-
-def prompts_of(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(1, 256, n).tolist() for n in lengths]
 
 
 def greedy_error(model, prompt, sample) -> float:

@@ -21,11 +21,11 @@ from pagedkv import KVCacheManager  # noqa: E402
 from pagedkv.engine import Engine  # noqa: E402
 from pagedkv.model import PagedLlama  # noqa: E402
 from pagedkv.speculative import DraftModelDrafter, NgramDrafter  # noqa: E402
+from llama_setup import hf_greedy, prompts_of, tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.oracle
 
 ATOL = 1e-4
-PAD = 0
 PROMPTS = (5, 16, 23, 40, 100)  # inside, on and across 16-token blocks; 100 spans two 64-chunks
 NEW = 24
 
@@ -33,16 +33,6 @@ NEW = 24
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread(one_torch_thread):
     """Every test here runs with one torch thread (see conftest)."""
-
-
-def tiny_llama(seed: int = 0):
-    """A seeded random LlamaForCausalLM: hidden 64, 2 layers, 4 heads on 2 KV heads, vocab 256."""
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=256, intermediate_size=128, max_position_embeddings=512, rope_theta=500.0,
-        initializer_range=0.1, pad_token_id=PAD, bos_token_id=None, eos_token_id=None)
-    return transformers.LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")
@@ -53,25 +43,6 @@ def hf():
 @pytest.fixture(scope="module", params=["torch", "numpy"])
 def model(hf, request):
     return PagedLlama.from_transformers(hf, backend=request.param)
-
-
-def prompts_of(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(1, 256, n).tolist() for n in lengths]
-
-
-def hf_greedy(hf, prompts, new_tokens):
-    """transformers' batched greedy generate with its own cache: tokens [b, new], logits [b, new, V]."""
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    out = hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                      do_sample=False, output_logits=True, return_dict_in_generate=True,
-                      pad_token_id=PAD, eos_token_id=None)
-    return out.sequences[:, width:].numpy(), torch.stack(out.logits, dim=1).numpy()
 
 
 @pytest.fixture(scope="module")

@@ -283,7 +283,6 @@ def test_freeing_a_sequence_whose_loads_are_pending_unpublishes_those_blocks(how
         m.free("b", cache=False)
         m.take_transfers()
         m.swap_in("c")  # loads c's three blocks; the two full ones are published again
-    loading = m.block_table("c")[:2]
     m.take_events()
     m.free("c")  # before the step ran
     removed = [e for e in m.take_events() if isinstance(e, BlockRemoved) and e.medium == "GPU"]

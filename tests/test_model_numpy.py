@@ -23,21 +23,15 @@ from hypothesis import strategies as st
 from pagedkv import KVCacheManager, OutOfBlocks
 from pagedkv.engine import Engine
 from pagedkv.model import LlamaDims, PagedLlama, causal_attention
+from llama_setup import DIMS, prompts_of
 from pagedkv.store import KVStore, kv_bytes_per_block
 
 ATOL = 1e-4  # float32 logits of std ~0.8: paged and dense differ by ~2e-6 (summation order)
-DIMS = LlamaDims(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                 num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=500.0)
 
 
 @pytest.fixture(scope="module")
 def model():
     return PagedLlama.random(DIMS, seed=0)
-
-
-def prompts_of(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(1, 256, n).tolist() for n in lengths]
 
 
 def dense_error(model, prompt, sample) -> float:

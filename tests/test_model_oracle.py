@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 from pagedkv import KVCacheManager  # noqa: E402
 from pagedkv.engine import Engine  # noqa: E402
 from pagedkv.model import LlamaDims, PagedLlama  # noqa: E402
+from llama_setup import hf_greedy, prompts_of, tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.oracle
 
@@ -24,43 +25,9 @@ def _one_thread(one_torch_thread):
     """Every test here runs with one torch thread (see conftest)."""
 
 
-PAD = 0  # prompts are drawn from [1, vocab): the pad token never appears in them
-
-
-def tiny_llama(rope_theta: float = 500.0, seed: int = 0, **overrides):
-    """A seeded random LlamaForCausalLM: hidden 64, 2 layers, 4 heads on 2 KV heads, vocab 256."""
-    torch.manual_seed(seed)
-    overrides.setdefault("num_key_value_heads", 2)
-    cfg = transformers.LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        vocab_size=256, intermediate_size=128, max_position_embeddings=512, rope_theta=rope_theta,
-        initializer_range=0.1, pad_token_id=PAD, bos_token_id=None, eos_token_id=None, **overrides)
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
 @pytest.fixture(scope="module")
 def hf():
     return tiny_llama()
-
-
-def prompts_of(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(1, 256, n).tolist() for n in lengths]
-
-
-def hf_greedy(hf, prompts, new_tokens):
-    """transformers' own batched greedy generate with its own cache (left padding + attention_mask)."""
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    out = hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                      do_sample=False, output_logits=True, return_dict_in_generate=True,
-                      pad_token_id=PAD, eos_token_id=None)
-    logits = torch.stack(out.logits, dim=1).numpy()  # [batch, steps, vocab]
-    return out.sequences[:, width:].numpy(), logits
 
 
 GREEDY_PROMPTS = (5, 16, 23, 40)  # shorter than, equal to, and across 16-token blocks

@@ -101,6 +101,13 @@ def check_out_file(flag: str, path: Path) -> Path:
     return path
 
 
+def add_data_dir_argument(parser) -> None:
+    """The ``--data-dir`` flag every trace-reading command takes (checked by :func:`check_data_dir`)."""
+    parser.add_argument("--data-dir", type=Path, default=None, metavar="DIR",
+                        help="a directory with your own copies of the public traces (default: the "
+                             "ones shipped with pagedkv, or $PAGEDKV_DATA)")
+
+
 def check_data_dir(flag: str, path: Path | None) -> None:
     """``--data-dir`` (or ``$PAGEDKV_DATA`` when the flag is absent) must be a directory."""
     if path is not None:

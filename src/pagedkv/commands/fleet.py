@@ -31,7 +31,16 @@ from ..sim.costmodel import H100_BF16_FLOPS, H100_HBM_BYTES_PER_S, CostModel
 from ..sim.routers import (DEFAULT_EPS, DEFAULT_KEY_TOKENS, DEFAULT_VNODES, ROUTERS, SGLANG_BALANCE_ABS,
                            SGLANG_BALANCE_REL, SGLANG_CACHE_THRESHOLD, make_router)
 from ..tables import Table
-from . import UsageError, check_data_dir, check_int, check_model, check_number, check_out_file, reports_errors
+from . import (
+    UsageError,
+    add_data_dir_argument,
+    check_data_dir,
+    check_int,
+    check_model,
+    check_number,
+    check_out_file,
+    reports_errors,
+)
 from .simulate import MAX_BLOCKS, MAX_LEN, SHIPPED_TRACES
 
 __all__ = ["add_arguments", "run", "MAX_REPLICAS", "DEFAULT_REQUESTS"]
@@ -94,9 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overhead-ms", type=float, default=1.0, help="fixed overhead per iteration (ms)")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--progress", action="store_true", help="a line on stderr every 1,000 requests")
-    p.add_argument("--data-dir", type=Path, default=None, metavar="DIR",
-                   help="where the shipped-trace names are looked up (default: the traces shipped "
-                        "with pagedkv, or $PAGEDKV_DATA)")
+    add_data_dir_argument(p)
 
 
 def _check(args: argparse.Namespace) -> None:

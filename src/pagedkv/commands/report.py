@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from ..report import SECTIONS, ReportOptions, build_report, render_text, write_report
-from . import UsageError, check_data_dir, check_int, check_model, check_out_dir, reports_errors
+from . import UsageError, add_data_dir_argument, check_data_dir, check_int, check_model, check_out_dir, reports_errors
 
 MAX_BLOCK_SIZE = 2048  # the report's context limit (the vLLM paper's max length)
 
@@ -24,9 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", type=Path, default=None, metavar="FILE",
                    help="also replay this trace file (Azure CSV or Mooncake JSONL, plain or .gz): "
                         "fig2 serves it; prefix_hits replays it if it is a Mooncake trace")
-    p.add_argument("--data-dir", type=Path, default=None, metavar="DIR",
-                   help="a directory with your own copies of the public traces (default: the ones "
-                        "shipped with pagedkv, or $PAGEDKV_DATA)")
+    add_data_dir_argument(p)
     p.add_argument("--sections", default=None, metavar="A,B",
                    help=f"run only these sections, in this order; any of: {', '.join(SECTIONS)}")
     p.add_argument("--seed", type=int, default=0, help="seed of every workload (default 0)")

@@ -33,7 +33,7 @@ from ..sim.costmodel import A100_40GB_HBM_BYTES_PER_S, A100_BF16_FLOPS, CostMode
 from ..sim.metrics import compute
 from ..sim.scheduler import GUARD_PRESETS, simulate
 from ..tables import Table
-from . import UsageError, check_data_dir, check_int, check_model, check_number, reports_errors
+from . import UsageError, add_data_dir_argument, check_data_dir, check_int, check_model, check_number, reports_errors
 
 __all__ = ["add_arguments", "run", "MAX_BLOCKS", "MAX_REQUESTS", "MAX_LEN", "SHIPPED_TRACES"]
 
@@ -80,9 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "that free nothing and a 5%% admission watermark) or none")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action="store_true", help="progress bar on stderr")
-    p.add_argument("--data-dir", type=Path, default=None, metavar="DIR",
-                   help="where the shipped-trace names are looked up (default: the traces shipped "
-                        "with pagedkv, or $PAGEDKV_DATA)")
+    add_data_dir_argument(p)
 
 
 def _check(args: argparse.Namespace) -> None:

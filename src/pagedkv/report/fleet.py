@@ -40,7 +40,7 @@ from ..sim.costmodel import CostModel
 from ..sim.fleet import FleetResult, run_fleet
 from ..sim.routers import (DEFAULT_KEY_TOKENS, HashRing, PrefixAwareRouter, RingRouter, RoundRobin, prefix_keys,
                            ring_rsd_theory)
-from ..sim.traces import TRACE_FILES, default_data_dir, detect_format, load_mooncake_jsonl, trace_path
+from ..sim.traces import detect_format, load_mooncake_jsonl, trace_not_found, trace_path
 from ..tables import Section, Table
 from .options import ReportOptions
 
@@ -277,9 +277,7 @@ def section(opts: ReportOptions) -> Section:
     if why:
         sec.text.append(why)
     if path is None:
-        where = opts.data_dir if opts.data_dir is not None else default_data_dir()
-        sec.text.append(f"Mooncake trace not found ({TRACE_FILES['mooncake']}[.gz] is not in "
-                        f"{where if where is not None else 'any data directory'}): section skipped.")
+        sec.text.append(f"{trace_not_found('mooncake', opts.data_dir)}: section skipped.")
         sec.data["skipped"] = True
         return sec
     quick = opts.quick

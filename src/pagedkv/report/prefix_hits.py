@@ -31,20 +31,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-import numpy as np
 
 from .. import KVCacheManager, OutOfBlocks
 from ..sim.request import Request, segment_tokens
 from ..sim.sizing import GIB, get_model, kv_size
 from ..sim.traces import (
     MOONCAKE_BLOCK,
-    TRACE_FILES,
     bundled_data_dir,
     content_key,
-    default_data_dir,
     detect_format,
     load_mooncake_jsonl,
     mooncake_hash_ids,
+    trace_not_found,
     trace_path,
 )
 from ..tables import Section, Table
@@ -380,9 +378,7 @@ def section(opts: ReportOptions) -> Section:
         sec.text.append(wrong_kind)
         sec.data["trace_not_used"] = str(opts.trace)
     if path is None:
-        where = opts.data_dir if opts.data_dir is not None else default_data_dir()
-        sec.text.append(f"Mooncake trace not found ({TRACE_FILES['mooncake']}[.gz] is not in "
-                        f"{where if where is not None else 'any data directory'}): section skipped.")
+        sec.text.append(f"{trace_not_found('mooncake', opts.data_dir)}: section skipped.")
         sec.data["skipped"] = True
         return sec
     limit = QUICK_TRACE_REQUESTS if opts.quick else None

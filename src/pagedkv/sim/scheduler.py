@@ -677,15 +677,7 @@ class Server:
     def __init__(self, allocator: KVAllocator, cost: CostModel | None = None, *, max_len: int = 2048,
                  max_num_seqs: int = 256, guards: Guards | None = None, stall_limit: int | None = None,
                  record_steps: bool = True, coalesce: bool = False) -> None:
-        if not isinstance(allocator, KVAllocator):
-            raise ValueError(f"allocator must be a KVAllocator, got {type(allocator).__name__}")
-        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be a positive int, got {max_num_seqs!r}")
-        guards = Guards() if guards is None else guards
-        if not isinstance(guards, Guards):
-            raise ValueError(f"guards must be a Guards, got {type(guards).__name__}")
-        if stall_limit is not None and (not isinstance(stall_limit, int) or stall_limit < 1):
-            raise ValueError(f"stall_limit must be a positive int, got {stall_limit!r}")
+        guards = _checked_config(allocator, max_num_seqs, guards, stall_limit)
         if coalesce and (record_steps or not all(hasattr(allocator, f) for f in ("max_steps", "step_n"))):
             raise ValueError("coalesce=True needs record_steps=False and an allocator with max_steps and step_n")
         self.allocator, self.max_len, self.guards = allocator, max_len, guards
@@ -840,6 +832,21 @@ class Server:
         )
 
 
+def _checked_config(allocator: KVAllocator, max_num_seqs: int, guards: Guards | None,
+                    stall_limit: int | None) -> Guards:
+    """The arguments :func:`simulate` and :class:`Server` share, validated; the guards to use."""
+    if not isinstance(allocator, KVAllocator):
+        raise ValueError(f"allocator must be a KVAllocator, got {type(allocator).__name__}")
+    if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be a positive int, got {max_num_seqs!r}")
+    guards = Guards() if guards is None else guards
+    if not isinstance(guards, Guards):
+        raise ValueError(f"guards must be a Guards, got {type(guards).__name__}")
+    if stall_limit is not None and (not isinstance(stall_limit, int) or stall_limit < 1):
+        raise ValueError(f"stall_limit must be a positive int, got {stall_limit!r}")
+    return guards
+
+
 def simulate(requests: Iterable[Request], allocator: KVAllocator, cost: CostModel | None = None, *,
              max_len: int = 2048, max_num_seqs: int = 256, progress: bool = False,
              max_iterations: int | None = None, guards: Guards | None = None,
@@ -855,17 +862,9 @@ def simulate(requests: Iterable[Request], allocator: KVAllocator, cost: CostMode
     ``on_livelock="raise"`` raises :class:`Livelock` (carrying the partial result) and
     ``"return"`` returns the result with ``livelock`` set.
     """
-    if not isinstance(allocator, KVAllocator):
-        raise ValueError(f"allocator must be a KVAllocator, got {type(allocator).__name__}")
-    if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs must be a positive int, got {max_num_seqs!r}")
-    guards = Guards() if guards is None else guards
-    if not isinstance(guards, Guards):
-        raise ValueError(f"guards must be a Guards, got {type(guards).__name__}")
+    guards = _checked_config(allocator, max_num_seqs, guards, stall_limit)
     if on_livelock not in ("raise", "return"):
         raise ValueError(f"on_livelock must be 'raise' or 'return', got {on_livelock!r}")
-    if stall_limit is not None and (not isinstance(stall_limit, int) or stall_limit < 1):
-        raise ValueError(f"stall_limit must be a positive int, got {stall_limit!r}")
     reqs = list(requests)
     if any(not isinstance(r, Request) for r in reqs):
         raise ValueError("requests must be Request objects")

@@ -139,6 +139,15 @@ def default_data_dir() -> Path | None:
     return bundled_data_dir()
 
 
+def trace_not_found(name: str, data_dir: Path | str | None = None) -> str:
+    """Why :func:`trace_path` found no ``name`` trace: the file looked for and where, e.g.
+    ``"Mooncake trace not found (mooncake_conversation_trace.jsonl[.gz] is not in DIR)"``."""
+    where = data_dir if data_dir is not None else default_data_dir()
+    label = "Mooncake" if name == "mooncake" else name
+    return (f"{label} trace not found ({TRACE_FILES[name]}[.gz] is not in "
+            f"{where if where is not None else 'any data directory'})")
+
+
 def trace_path(name: str, data_dir: Path | str | None = None) -> Path | None:
     """The file of a public trace by short name (``"mooncake"``, ``"azure-conv"``, ``"azure-code"``)
     in ``data_dir`` (default: :func:`default_data_dir`), plain or gzipped (``<file>.gz``), or
