@@ -95,6 +95,26 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    """The tiny Llama in transformers (tests/llama_setup.py), built once per module (the oracle
+    suites; a numpy suite never asks for it)."""
+    from llama_setup import tiny_llama
+
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module", params=["torch", "numpy"])
+def model(hf, request):
+    """The same transformers weights on either backend of PagedLlama (a numpy suite defines its
+    own ``model``, with seeded numpy weights)."""
+    from pagedkv.model import PagedLlama
+
+    return PagedLlama.from_transformers(hf, backend=request.param)
+
+
 STATEFUL_FACTOR = 4
 
 HAVE_XXHASH = importlib.util.find_spec("xxhash") is not None

@@ -15,27 +15,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from pagedkv.engine import Engine, _log_softmax  # noqa: E402
-from pagedkv.model import PagedLlama  # noqa: E402
-from llama_setup import tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.oracle  # every test here runs the transformers model (as oracle or weights)
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread(one_torch_thread):
     """Every test here runs with one torch thread (see conftest)."""
-
-
-
-
-@pytest.fixture(scope="module")
-def hf():
-    return tiny_llama()
-
-
-@pytest.fixture(scope="module", params=["torch", "numpy"])
-def model(hf, request):
-    """The same transformers weights on either backend: the engine runs both unchanged."""
-    return PagedLlama.from_transformers(hf, backend=request.param)
 
 
 def prompt_of(n, seed=0):

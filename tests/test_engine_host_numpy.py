@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from pagedkv import KVCacheManager
 from pagedkv.engine import Engine
 from pagedkv.model import LlamaDims, PagedLlama
-from llama_setup import DIMS, prompts_of
 from pagedkv.speculative import DraftModelDrafter, NgramDrafter
+from llama_setup import DIMS, prompts_of
+from engine_checks import BS, DEVICE, HOST, host_hit_run
 
 ATOL = 1e-4  # float32: paged and dense differ by ~2e-6 (summation order)
 DIVERGED = 1e-2
@@ -39,24 +40,6 @@ def greedy_error(model, prompt, sample) -> float:
 
 
 # ---- a prefix served from the host tier
-
-BS, DEVICE, HOST = 16, 8, 24
-
-
-def host_hit_run(model, policy, run_transfers=True):
-    """A (40 tokens) runs and is freed: 2 full blocks cached on the device. B and C (70 each, 5
-    blocks) evict them: write-back offloads them then, write-through had copied them out already.
-    A again: both blocks are loaded from the host. Returns (engine, A, cold result, lookup before
-    the rerun, rerun result)."""
-    manager = KVCacheManager(DEVICE, BS, host_blocks=HOST, host_write_policy=policy)
-    engine = Engine(model, manager, run_transfers=run_transfers)
-    a, b, c = prompts_of([40, 70, 70], seed=1)
-    (cold,) = engine.generate([a], 8)
-    engine.generate([b], 8)
-    engine.generate([c], 8)
-    seen = manager.lookup(a)
-    (warm,) = engine.generate([a], 8)
-    return engine, a, cold, seen, warm
 
 
 @pytest.mark.parametrize("policy", POLICIES)

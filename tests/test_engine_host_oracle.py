@@ -18,8 +18,8 @@ transformers = pytest.importorskip("transformers")
 
 from pagedkv import KVCacheManager  # noqa: E402
 from pagedkv.engine import Engine  # noqa: E402
-from pagedkv.model import PagedLlama  # noqa: E402
-from llama_setup import hf_greedy, prompts_of, tiny_llama  # noqa: E402
+from llama_setup import hf_greedy, prompts_of  # noqa: E402
+from engine_checks import host_hit_run  # noqa: E402
 
 pytestmark = pytest.mark.oracle
 
@@ -33,16 +33,6 @@ def _one_thread(one_torch_thread):
     """Every test here runs with one torch thread (see conftest)."""
 
 
-@pytest.fixture(scope="module")
-def hf():
-    return tiny_llama()
-
-
-@pytest.fixture(scope="module", params=["torch", "numpy"])
-def model(hf, request):
-    return PagedLlama.from_transformers(hf, backend=request.param)
-
-
 def oracle_error(hf, prompt, sample) -> tuple[float, bool]:
     """(largest |logit - transformers|, whether the tokens are transformers' greedy tokens)."""
     tokens, logits = hf_greedy(hf, [prompt], len(sample.tokens))
@@ -50,20 +40,6 @@ def oracle_error(hf, prompt, sample) -> tuple[float, bool]:
 
 
 # ---- a prefix served from the host tier
-
-
-def host_hit_run(model, policy, run_transfers=True):
-    """A (40 tokens) runs and is freed (2 full 16-token blocks cached); B and C (70 tokens, 5
-    blocks each, on an 8-block device) evict both; A again loads them from the host."""
-    manager = KVCacheManager(8, 16, host_blocks=24, host_write_policy=policy)
-    engine = Engine(model, manager, run_transfers=run_transfers)
-    a, b, c = prompts_of([40, 70, 70], seed=1)
-    (cold,) = engine.generate([a], 8)
-    engine.generate([b], 8)
-    engine.generate([c], 8)
-    seen = manager.lookup(a)
-    (warm,) = engine.generate([a], 8)
-    return engine, a, cold, seen, warm
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 from pagedkv import KVCacheManager, OutOfBlocks
 from pagedkv.engine import Engine
 from pagedkv.model import LlamaDims, PagedLlama
-from llama_setup import DIMS, prompts_of
 from pagedkv.speculative import DraftModelDrafter, NgramDrafter, ngram_drafts
+from llama_setup import DIMS, prompts_of
+from engine_checks import CountingManager, check_spec_counts
 
 ATOL = 1e-4  # float32: paged and dense differ by ~2e-6 (summation order)
 PROMPTS = (5, 16, 23, 40, 100)
@@ -48,32 +49,6 @@ def max_error(model, prompts, results) -> float:
 def dense_error(model, prompt, sample) -> float:
     ref = model.dense_forward(prompt + sample.tokens[:-1])[len(prompt) - 1:]
     return float(np.abs(np.stack(sample.logits) - ref).max())
-
-
-class CountingManager(KVCacheManager):
-    """A real manager recording each ``accept``: (tokens with drafts, drafts, kept, blocks freed)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.accepts = []
-
-    def accept(self, seq_id, k):
-        n, d, free = self.num_tokens(seq_id), self.num_drafts(seq_id), self.num_free_blocks
-        super().accept(seq_id, k)
-        self.accepts.append((n, d, k, self.num_free_blocks - free))
-
-
-def check_spec_counts(engine, manager):
-    st, acc, bs = engine.stats, manager.accepts, manager.block_size
-    assert st.verify_steps == len(acc) > 0
-    assert st.draft_tokens == sum(d for _, d, _, _ in acc)
-    assert st.accepted_tokens == sum(k for _, _, k, _ in acc)
-    assert st.rollback_tokens == st.draft_tokens - st.accepted_tokens
-    assert st.rollback_blocks == sum(f for *_, f in acc)
-    assert st.rollback_blocks == sum(-(-n // bs) - -(-(n - d + k) // bs) for n, d, k, _ in acc)
-    assert st.acceptance_rate == pytest.approx(st.accepted_tokens / st.draft_tokens)
-    assert manager.num_free_blocks == manager.num_blocks
-    manager.check_invariants()
 
 
 def sub_model(model, layers=None, seed=None):

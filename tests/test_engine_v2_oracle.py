@@ -21,7 +21,8 @@ from pagedkv import KVCacheManager  # noqa: E402
 from pagedkv.engine import Engine  # noqa: E402
 from pagedkv.model import PagedLlama  # noqa: E402
 from pagedkv.speculative import DraftModelDrafter, NgramDrafter  # noqa: E402
-from llama_setup import hf_greedy, prompts_of, tiny_llama  # noqa: E402
+from llama_setup import hf_greedy, prompts_of  # noqa: E402
+from engine_checks import CountingManager, check_spec_counts  # noqa: E402
 
 pytestmark = pytest.mark.oracle
 
@@ -33,16 +34,6 @@ NEW = 24
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread(one_torch_thread):
     """Every test here runs with one torch thread (see conftest)."""
-
-
-@pytest.fixture(scope="module")
-def hf():
-    return tiny_llama()
-
-
-@pytest.fixture(scope="module", params=["torch", "numpy"])
-def model(hf, request):
-    return PagedLlama.from_transformers(hf, backend=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -59,35 +50,6 @@ def max_error(results, oracle) -> float:
         assert s.tokens == tokens[i].tolist()
         err = max(err, float(np.abs(np.stack(s.logits) - logits[i]).max()))
     return err
-
-
-class CountingManager(KVCacheManager):
-    """A real manager that records what every ``accept`` did: (tokens with drafts, drafts,
-    kept, blocks the free count gained)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.accepts = []
-
-    def accept(self, seq_id, k):
-        n, d, free = self.num_tokens(seq_id), self.num_drafts(seq_id), self.num_free_blocks
-        super().accept(seq_id, k)
-        self.accepts.append((n, d, k, self.num_free_blocks - free))
-
-
-def check_spec_counts(engine, manager):
-    """The engine's speculation stats against the manager's own counts, and a recount by formula."""
-    st, acc = engine.stats, manager.accepts
-    bs = manager.block_size
-    assert st.verify_steps == len(acc) > 0
-    assert st.draft_tokens == sum(d for _, d, _, _ in acc)
-    assert st.accepted_tokens == sum(k for _, _, k, _ in acc)
-    assert st.rollback_blocks == sum(f for *_, f in acc)
-    # blocks that held only dropped drafts: ceil(n / bs) - ceil((n - dropped) / bs)
-    assert st.rollback_blocks == sum(-(-n // bs) - -(-(n - d + k) // bs) for n, d, k, _ in acc)
-    assert st.acceptance_rate == pytest.approx(st.accepted_tokens / st.draft_tokens)
-    assert manager.num_free_blocks == manager.num_blocks
-    manager.check_invariants()
 
 
 # ---- chunked prefill

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from pagedkv import KVCacheManager, OutOfBlocks
 from pagedkv.engine import Engine
 from pagedkv.model import LlamaDims, PagedLlama, causal_attention
-from llama_setup import DIMS, prompts_of
 from pagedkv.store import KVStore, kv_bytes_per_block
+from llama_setup import DIMS, prompts_of
 
 ATOL = 1e-4  # float32 logits of std ~0.8: paged and dense differ by ~2e-6 (summation order)
 

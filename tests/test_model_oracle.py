@@ -25,11 +25,6 @@ def _one_thread(one_torch_thread):
     """Every test here runs with one torch thread (see conftest)."""
 
 
-@pytest.fixture(scope="module")
-def hf():
-    return tiny_llama()
-
-
 GREEDY_PROMPTS = (5, 16, 23, 40)  # shorter than, equal to, and across 16-token blocks
 
 
