@@ -108,6 +108,20 @@ def add_data_dir_argument(parser) -> None:
                              "ones shipped with pagedkv, or $PAGEDKV_DATA)")
 
 
+def check_gpu_flags(args) -> None:
+    """The memory and cost-model flags ``simulate`` and ``fleet`` share (``--gpu-mem-gib``,
+    ``--util``, ``--kv-gib``, ``--bandwidth-tbs``, ``--tflops``, ``--overhead-ms``)."""
+    from ..sim.sizing import MAX_MEMORY_GIB
+
+    check_number("--gpu-mem-gib", args.gpu_mem_gib, hi=MAX_MEMORY_GIB, why=" (1 PiB)")
+    check_number("--util", args.util, hi=1.0)
+    if args.kv_gib is not None:
+        check_number("--kv-gib", args.kv_gib, hi=MAX_MEMORY_GIB, why=" (1 PiB)")
+    check_number("--bandwidth-tbs", args.bandwidth_tbs, hi=1e6)
+    check_number("--tflops", args.tflops, hi=1e9)
+    check_number("--overhead-ms", args.overhead_ms, lo_open=False, hi=1e6)
+
+
 def check_data_dir(flag: str, path: Path | None) -> None:
     """``--data-dir`` (or ``$PAGEDKV_DATA`` when the flag is absent) must be a directory."""
     if path is not None:

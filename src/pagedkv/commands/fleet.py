@@ -34,6 +34,7 @@ from ..tables import Table
 from . import (
     UsageError,
     add_data_dir_argument,
+    check_gpu_flags,
     check_data_dir,
     check_int,
     check_model,
@@ -121,13 +122,7 @@ def _check(args: argparse.Namespace) -> None:
     check_int("--max-len", args.max_len, 2, MAX_LEN)
     check_int("--block-size", args.block_size, 1, args.max_len, " (at most --max-len)")
     check_int("--max-num-seqs", args.max_num_seqs, 1)
-    check_number("--gpu-mem-gib", args.gpu_mem_gib, hi=sizing.MAX_MEMORY_GIB, why=" (1 PiB)")
-    check_number("--util", args.util, hi=1.0)
-    if args.kv_gib is not None:
-        check_number("--kv-gib", args.kv_gib, hi=sizing.MAX_MEMORY_GIB, why=" (1 PiB)")
-    check_number("--bandwidth-tbs", args.bandwidth_tbs, hi=1e6)
-    check_number("--tflops", args.tflops, hi=1e9)
-    check_number("--overhead-ms", args.overhead_ms, lo_open=False, hi=1e6)
+    check_gpu_flags(args)
     check_data_dir("--data-dir", args.data_dir)
     if args.json is not None:
         check_out_file("--json", args.json)

@@ -33,7 +33,16 @@ from ..sim.costmodel import A100_40GB_HBM_BYTES_PER_S, A100_BF16_FLOPS, CostMode
 from ..sim.metrics import compute
 from ..sim.scheduler import GUARD_PRESETS, simulate
 from ..tables import Table
-from . import UsageError, add_data_dir_argument, check_data_dir, check_int, check_model, check_number, reports_errors
+from . import (
+    UsageError,
+    add_data_dir_argument,
+    check_data_dir,
+    check_gpu_flags,
+    check_int,
+    check_model,
+    check_number,
+    reports_errors,
+)
 
 __all__ = ["add_arguments", "run", "MAX_BLOCKS", "MAX_REQUESTS", "MAX_LEN", "SHIPPED_TRACES"]
 
@@ -96,13 +105,7 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError("use --n or --beam-width, not both")
     if args.rate is not None:
         check_number("--rate", args.rate, lo_open=False)
-    check_number("--gpu-mem-gib", args.gpu_mem_gib, hi=sizing.MAX_MEMORY_GIB, why=" (1 PiB)")
-    check_number("--util", args.util, hi=1.0)
-    if args.kv_gib is not None:
-        check_number("--kv-gib", args.kv_gib, hi=sizing.MAX_MEMORY_GIB, why=" (1 PiB)")
-    check_number("--bandwidth-tbs", args.bandwidth_tbs, hi=1e6)
-    check_number("--tflops", args.tflops, hi=1e9)
-    check_number("--overhead-ms", args.overhead_ms, lo_open=False, hi=1e6)
+    check_gpu_flags(args)
     check_data_dir("--data-dir", args.data_dir)
 
 

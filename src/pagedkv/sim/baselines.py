@@ -372,7 +372,23 @@ class _PagedReq:
         self.next_child = 1
 
 
-class PagedAllocator(KVAllocator):
+class ManagerAllocator(KVAllocator):
+    """An allocator over a real :class:`~pagedkv.KVCacheManager` (``self.m``) that counts the
+    token states its running sequences hold in ``self._kv_tokens``: the paged allocators of the
+    simulator (this module's, :mod:`~pagedkv.sim.samples`' and :mod:`~pagedkv.sim.fleet`'s)."""
+
+    m: KVCacheManager
+    _kv_tokens: int = 0
+
+    @property
+    def kv_tokens(self) -> int:
+        return self._kv_tokens
+
+    def usage(self) -> Usage:
+        return self.m.usage()
+
+
+class PagedAllocator(ManagerAllocator):
     """The real :class:`~pagedkv.KVCacheManager` behind the allocator interface.
 
     Admission allocates the prompt only (``add_sequence``; a preempted single-sequence request
@@ -486,13 +502,6 @@ class PagedAllocator(KVAllocator):
     def seq_ids(self, req_id: str) -> list[str]:
         """The manager's ids of the request's live sequences (its samples or surviving beams)."""
         return list(self._reqs[req_id].seqs)
-
-    @property
-    def kv_tokens(self) -> int:
-        return self._kv_tokens
-
-    def usage(self) -> Usage:
-        return self.m.usage()
 
     def breakdown(self, blocked: Request | None = None) -> Breakdown:
         return self._breakdown(self.m.usage())

@@ -42,8 +42,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..manager import KVCacheManager
-from ..types import OutOfBlocks, Usage
-from .baselines import Breakdown, KVAllocator, generated_tokens, seq_key
+from ..types import OutOfBlocks
+from .baselines import Breakdown, ManagerAllocator, generated_tokens, seq_key
 from .costmodel import CostModel
 from .request import Request
 from .routers import DEFAULT_KEY_TOKENS, Router, prefix_key, prompt_array
@@ -59,7 +59,7 @@ def replica_names(n: int) -> list[str]:
     return [f"r{i}" for i in range(n)]
 
 
-class ReplicaAllocator(KVAllocator):
+class ReplicaAllocator(ManagerAllocator):
     """The paged cache of one replica: a real :class:`~pagedkv.KVCacheManager`, single-sequence
     requests only (the traces a fleet replays have no parallel samples or beams).
 
@@ -175,13 +175,6 @@ class ReplicaAllocator(KVAllocator):
         """The manager's ids of the request's sequences: the request id itself."""
         self._seqs[req_id]
         return [req_id]
-
-    @property
-    def kv_tokens(self) -> int:
-        return self._kv_tokens
-
-    def usage(self) -> Usage:
-        return self.m.usage()
 
     def breakdown(self, blocked: Request | None = None) -> Breakdown:
         u = self.m.usage()

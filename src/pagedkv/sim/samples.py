@@ -28,8 +28,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from ..manager import KVCacheManager
-from ..types import OutOfBlocks, Usage
-from .baselines import Breakdown, KVAllocator, generated_tokens, seq_key
+from ..types import OutOfBlocks
+from .baselines import Breakdown, ManagerAllocator, generated_tokens, seq_key
 from .request import Request
 
 __all__ = ["SampleAllocator", "split_samples"]
@@ -58,7 +58,7 @@ class _Entry:
         self.keys = [seq_key(s) for s in seqs]
 
 
-class SampleAllocator(KVAllocator):
+class SampleAllocator(ManagerAllocator):
     """Requests on a real manager, where an identical prompt forks a live, fresh copy of it.
 
     A request with ``n`` > 1 samples runs them as one group (forked at admission, stepped,
@@ -163,13 +163,6 @@ class SampleAllocator(KVAllocator):
     def seq_ids(self, req_id: str) -> list[str]:
         """The manager's ids of the request's sequences (for freeable-block counts)."""
         return list(self._reqs[req_id].seqs)
-
-    @property
-    def kv_tokens(self) -> int:
-        return self._kv_tokens
-
-    def usage(self) -> Usage:
-        return self.m.usage()
 
     def breakdown(self, blocked: Request | None = None) -> Breakdown:
         return self.observe(blocked)[0]
