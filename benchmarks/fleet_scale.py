@@ -11,6 +11,7 @@ router (which also encodes, decodes and indexes every KV event, and rehashes eac
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from pagedkv.sim import sizing
@@ -53,7 +54,8 @@ def table(plan: dict) -> Table:
             its = int(res.iterations.sum())
             t.add(router, replicas, len(reqs), round(cpu, 1), round(1e3 * cpu / len(reqs), 2),
                   round(1e6 * cpu / max(its, 1), 1), its, round(100 * res.hit_rate, 2))
-            print(t.rows[-1], flush=True)
+            # progress for a run of several minutes, on stderr: stdout keeps only the table
+            print(f"{router}: {replicas} replicas, {len(reqs):,} requests: {cpu:.1f} CPU s", file=sys.stderr, flush=True)
     return t
 
 

@@ -5,7 +5,7 @@ document, docs/design.md in the source repository, and a trace replay) and, when
 installed, :mod:`pagedkv.bench.store` (the physical KV store). ``ratio`` is ``median / target``:
 at most 1 meets the target. Targets are goals, not results. Speed is never asserted anywhere;
 this command only measures and prints (``--json`` also writes the rows plus the machine
-description). On two cores the full run takes about 30 s, ``--quick`` about 5 s.
+description). On two cores the full run takes about 40 s, ``--quick`` a few seconds.
 """
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ def table(rows: list[dict], width: int = TEXT_WIDTH) -> str:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--quick", action="store_true", help="fewer repetitions, smaller replay: about 5 s (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions, smaller replay: a few seconds (a smoke run)")
     ap.add_argument("--json", metavar="FILE", help="also write rows and environment as JSON")
 
 
