@@ -55,7 +55,8 @@ def table(plan: dict) -> Table:
             t.add(router, replicas, len(reqs), round(cpu, 1), round(1e3 * cpu / len(reqs), 2),
                   round(1e6 * cpu / max(its, 1), 1), its, round(100 * res.hit_rate, 2))
             # progress for a run of several minutes, on stderr: stdout keeps only the table
-            print(f"{router}: {replicas} replicas, {len(reqs):,} requests: {cpu:.1f} CPU s", file=sys.stderr, flush=True)
+            print(f"{router}: {replicas} replicas, {len(reqs):,} requests: {cpu:.1f} CPU s",
+                  file=sys.stderr, flush=True)
     return t
 
 
