@@ -146,6 +146,21 @@ def test_masked_token_arrays_are_refused(call, kind):
     assert m.take_events() == [] and m.take_copies() == []
 
 
+@pytest.mark.parametrize("call", [
+    lambda m: m.append_token("a", np.ma.array(5, mask=True)),
+    lambda m: m.append_batch(np.ma.array(["a", "a2"], mask=[False, True]), [1, 2]),
+], ids=["append_token", "append_batch_ids"])
+def test_masked_scalars_and_masked_ids_are_refused(call):
+    """A masked scalar token hides a value that would be stored; masked ids name no sequence."""
+    m = mk()
+    m.add_sequence("a", toks(0, 6))
+    m.add_sequence("a2", toks(200, 6))
+    before = snapshot(m, ["a", "a2"])
+    with pytest.raises(ValueError, match="masked"):
+        call(m)
+    assert "c" not in m and snapshot(m, ["a", "a2"]) == before
+
+
 def test_numpy_bools_are_zero_and_one_like_python_bools():
     m = mk()
     m.add_sequence("a", [np.True_, np.False_, True])

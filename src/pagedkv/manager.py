@@ -1232,6 +1232,8 @@ def _id_sequence(seq_ids: Any) -> list:
     """``append_batch``'s ids as a list; the pairing with tokens is by position, so unordered
     collections (sets, dicts) are refused rather than paired in whatever order they iterate."""
     if isinstance(seq_ids, np.ndarray):
+        if isinstance(seq_ids, np.ma.MaskedArray):
+            raise ValueError("sequence ids must not be a masked array")
         if seq_ids.ndim != 1:
             raise ValueError(f"sequence ids must be a 1-D array, got shape {seq_ids.shape}")
         return seq_ids.tolist()
@@ -1273,6 +1275,8 @@ def _as_token(token: Any) -> int:
     """Accept numpy integers (and bools, as lists of bools are) as token ids; reject the rest."""
     if isinstance(token, (float, str, bytes)) or isinstance(token, np.floating):
         raise ValueError(f"token id must be an integer, got {token!r}")
+    if isinstance(token, np.ma.MaskedArray):  # a masked value would become its hidden data
+        raise ValueError("token ids must not be a masked array: fill or drop the masked entries")
     if isinstance(token, np.bool_):
         return int(token)
     try:

@@ -1,6 +1,6 @@
 """``pagedkv fleet``: route a real trace across replicas and compare the routers.
 
-Examples::
+Examples:
 
     pagedkv fleet                                  # Mooncake trace, first 2,000 requests, 16 replicas
     pagedkv fleet --num-requests all --router precise

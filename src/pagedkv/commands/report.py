@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"run only these sections, in this order; any of: {', '.join(SECTIONS)}")
     p.add_argument("--seed", type=int, default=0, help="seed of every workload (default 0)")
     p.add_argument("--quick", action="store_true",
-                   help="small workloads: under 10 s on two cores instead of about a minute; a smoke "
+                   help="small workloads: 10-20 s on two cores instead of about a minute; a smoke "
                         "run whose numbers are noisier")
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
                    help="also write report.md, report.json and PNG plots (with matplotlib) here")

@@ -1,6 +1,6 @@
 """``pagedkv simulate``: serve a workload with the paged cache or a reservation baseline.
 
-Examples::
+Examples:
 
     pagedkv simulate                                   # ShareGPT-like, the vLLM paper's setup
     pagedkv simulate azure-conv-trace --num-requests 2000 --rate 4 --progress

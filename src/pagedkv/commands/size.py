@@ -1,6 +1,6 @@
 """``pagedkv size``: KV bytes per token and per block of a model, and how many tokens fit.
 
-Examples::
+Examples:
 
     pagedkv size --list
     pagedkv size Llama-3.1-8B --gpu-mem-gib 80 --util 0.9          # weights estimated: 14.96 GiB
