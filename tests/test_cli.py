@@ -295,3 +295,12 @@ def test_a_malformed_trace_in_the_data_dir_stops_the_report_first(capsys, tmp_pa
     err = fails(["report", "--quick", "--data-dir", str(tmp_path)], capsys,
                 "mooncake_conversation_trace.jsonl:1: missing field")
     assert "fork_cost" not in err
+
+
+def test_report_trace_with_no_section_that_reads_it_is_an_error(capsys, tmp_path):
+    """A --trace that no chosen section would read is refused, not silently ignored."""
+    path = tmp_path / "t.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n")
+    rc, out, err = run(["report", "--quick", "--sections", "fork_cost", "--trace", str(path)], capsys)
+    assert rc == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "--trace" in err and "fig2" in err

@@ -35,6 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also write report.md, report.json and PNG plots (with matplotlib) here")
 
 
+# The sections that replay a --trace file (the others run built-in workloads only).
+TRACE_SECTIONS = frozenset({"fig2", "prefix_hits", "host_offload", "fleet"})
+
+
 def _sections(text: str | None) -> list[str] | None:
     """The ``--sections`` list, in the order given; empty, unknown or repeated names are errors."""
     if text is None:
@@ -96,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"[pagedkv report] {message} ({time.perf_counter() - t0:.1f}s)", file=sys.stderr, flush=True)
 
     keys = _sections(args.sections)
+    if args.trace is not None and keys is not None and not set(keys) & TRACE_SECTIONS:
+        raise UsageError(f"--trace: none of the chosen sections reads a trace "
+                         f"(those that do: {','.join(sorted(TRACE_SECTIONS))})")
     opts = _options(args, progress)
     if args.out is not None:
         check_out_dir("--out", args.out)
