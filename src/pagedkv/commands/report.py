@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..report import SECTIONS, ReportOptions, build_report, render_text, write_report
+from ..report import SECTIONS, TRACE_SECTIONS, ReportOptions, build_report, render_text, write_report
 from . import UsageError, add_data_dir_argument, check_data_dir, check_int, check_model, check_out_dir, reports_errors
 
 MAX_BLOCK_SIZE = 2048  # the report's context limit (the vLLM paper's max length)
@@ -29,14 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"run only these sections, in this order; any of: {', '.join(SECTIONS)}")
     p.add_argument("--seed", type=int, default=0, help="seed of every workload (default 0)")
     p.add_argument("--quick", action="store_true",
-                   help="small workloads: 10-20 s on two cores instead of about a minute; a smoke "
+                   help="small workloads: 10-20 s on two cores instead of about 80 s; a smoke "
                         "run whose numbers are noisier")
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
                    help="also write report.md, report.json and PNG plots (with matplotlib) here")
-
-
-# The sections that replay a --trace file (the others run built-in workloads only).
-TRACE_SECTIONS = frozenset({"fig2", "prefix_hits", "host_offload", "fleet"})
 
 
 def _sections(text: str | None) -> list[str] | None:

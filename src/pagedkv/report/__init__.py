@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 from ..tables import Section
 from .options import ReportOptions
 
-__all__ = ["SECTIONS", "ReportOptions", "build_report", "write_report", "render_text"]
+__all__ = ["SECTIONS", "TRACE_SECTIONS", "ReportOptions", "build_report", "write_report", "render_text"]
 
 # key -> module under pagedkv.report; the order is the report's order.
 SECTIONS: dict[str, str] = {
@@ -31,6 +31,8 @@ SECTIONS: dict[str, str] = {
     "host_offload": "host_offload",
     "fleet": "fleet",
 }
+# The sections that replay a --trace file; the others run built-in workloads only.
+TRACE_SECTIONS = frozenset({"fig2", "prefix_hits", "host_offload", "fleet"})
 
 
 def _load(key: str) -> Callable[[ReportOptions], Section]:
