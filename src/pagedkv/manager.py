@@ -403,7 +403,7 @@ class KVCacheManager:
         bs = self._bs
         hashes = self._prompt_hashes(root, _le_bytes(tokens), n // bs, remember=True)
         device, host = self._hits(hashes, (n - 1) // bs)
-        return PrefixHit(len(device) * bs, len(host) * bs, sum(map(self._pool.is_cached, device)))
+        return PrefixHit(len(device) * bs, len(host) * bs, self._pool.count_cached(device))
 
     def _hits(self, hashes: list, limit: int) -> tuple[list[int], list[int]]:
         """The longest cached prefix: device blocks, then host blocks continuing it."""
@@ -527,7 +527,7 @@ class KVCacheManager:
         then fresh blocks; atomic. Host blocks are pinned first, so that offloads the device
         allocation causes cannot evict them from the host."""
         pool, j = self._pool, len(loads)
-        available = pool.num_free - sum(map(pool.is_cached, hits))
+        available = pool.num_free - pool.count_cached(hits)
         if self._copy_src:
             available -= pool.count_free(self._copy_src)
         if need > available:
@@ -599,14 +599,25 @@ class KVCacheManager:
             raise ValueError(self._not_ready(seq_id, s, "append to"))
         if not toks:
             return []
-        bs, n = self._bs, len(s.tokens)
-        fresh = -(-(n + len(toks)) // bs) - -(-n // bs)
+        bs, n, k = self._bs, len(s.tokens), len(toks)
+        slot = s.nxt
+        if slot >= 0 and slot % bs + k <= bs:  # all in the private last block: nothing to take
+            if speculative:
+                if not s.drafts:
+                    self._unready += 1
+                s.drafts += k
+                s.tokens.extend(toks)
+                s.nxt = -1  # drafts pending: the next append goes through the checks
+                return list(range(slot, slot + k))
+            return [self._append(s, t) for t in toks]
+        fresh = -(-(n + k) // bs) - -(-n // bs)
         copies = 1 if n % bs and self._pool.refcount(s.table[-1]) > 1 else 0
-        self._check_capacity(fresh, copies, f"appending to {seq_id!r}")
+        if fresh + copies:
+            self._check_capacity(fresh, copies, f"appending to {seq_id!r}")
         if speculative:
             if not s.drafts:
                 self._unready += 1
-            s.drafts += len(toks)
+            s.drafts += k
             out = [self._append(s, t, publish=False) for t in toks]
             s.nxt = -1  # drafts pending: the next append goes through the checks
             return out
@@ -902,7 +913,7 @@ class KVCacheManager:
                     if d is not None:
                         revive[i] = d
         loads = [i for i in order if i not in revive]
-        available = pool.num_free - sum(map(pool.is_cached, revive.values()))
+        available = pool.num_free - pool.count_cached(revive.values())
         if self._copy_src:
             available -= pool.count_free(self._copy_src)
         if len(loads) > available:

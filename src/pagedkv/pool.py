@@ -149,6 +149,11 @@ class BlockPool:
         block = self._check_id(block)
         return block in self._lru
 
+    def count_cached(self, blocks: Iterable[int]) -> int:
+        """How many of ``blocks`` (distinct ids) are cached-free: the hits an admission would
+        revive, which then no longer count as free. One C-level pass."""
+        return sum(map(self._lru.__contains__, blocks))
+
     def is_free(self, block: int) -> bool:
         """True when the block holds no reference (clean, never used, or cached-free)."""
         return self.refcount(block) == 0

@@ -93,34 +93,26 @@ class PrefixCache:
         """
         if not blocks:
             return
-        m = self._map
-        if m.keys().isdisjoint(hashes):  # the common case: all new, one run, C-speed updates
-            m.update(zip(hashes, blocks))
+        # One probe a hash, at C speed: setdefault maps each new hash and returns, for a hash
+        # already mapped, the older block, which the map keeps.
+        held = list(map(self._map.setdefault, hashes, blocks))
+        if held == blocks:  # the common case: all new, one run
             self._pool.set_keys(blocks, hashes)
             self._stored(hashes, parent, tokens, block_size, 0, len(blocks))
             if self._content is not None:
                 self._keep(blocks, hashes, parent, tokens, block_size, range(len(blocks)))
             return
-        run_start = -1
-        new_blocks, new_hashes = [], []
-        for i, (b, h) in enumerate(zip(blocks, hashes)):
-            if h in m:
+        new = [i for i, (b, k) in enumerate(zip(blocks, held)) if b == k]
+        self._pool.set_keys([blocks[i] for i in new], [hashes[i] for i in new])
+        run_start = prev = -2
+        for i in new + [-1]:  # one event per run of consecutive new blocks
+            if i != prev + 1:
                 if run_start >= 0:
-                    self._stored(hashes, parent, tokens, block_size, run_start, i)
-                    run_start = -1
-                continue
-            m[h] = b
-            new_blocks.append(b)
-            new_hashes.append(h)
-            if run_start < 0:
+                    self._stored(hashes, parent, tokens, block_size, run_start, prev + 1)
                 run_start = i
-        self._pool.set_keys(new_blocks, new_hashes)
-        if run_start >= 0:
-            self._stored(hashes, parent, tokens, block_size, run_start, len(blocks))
+            prev = i
         if self._content is not None:
-            new = set(new_blocks)
-            self._keep(blocks, hashes, parent, tokens, block_size,
-                       [i for i, b in enumerate(blocks) if b in new])
+            self._keep(blocks, hashes, parent, tokens, block_size, new)
 
     def _keep(self, blocks, hashes, parent, tokens, bs, indices) -> None:
         for i in indices:
@@ -156,8 +148,11 @@ class PrefixCache:
 
     def _stored(self, hashes, parent, tokens, bs, i, j) -> None:
         if self._log is not None:
-            self._log.stored(tuple(hashes[i:j]), parent if i == 0 else hashes[i - 1],
-                             tokens[i * bs : j * bs], bs, self.medium)
+            if i == 0 and j == len(hashes):  # the whole run: queue the caller's slice as it is
+                self._log.stored(tuple(hashes), parent, tokens, bs, self.medium)
+            else:
+                self._log.stored(tuple(hashes[i:j]), parent if i == 0 else hashes[i - 1],
+                                 tokens[i * bs : j * bs], bs, self.medium)
 
     def unpublish(self, blocks: Sequence[int]) -> None:
         """Forget the hashes of in-use ``blocks`` (their content cannot be trusted); blocks that

@@ -211,24 +211,27 @@ def _bench_fork_free(quick: bool) -> list[dict]:
 
 
 def _bench_prefill_chunk(quick: bool) -> dict:
-    """One 512-token ``prefill`` chunk of a 4,096-token prompt admitted with ``prefill=0``:
-    32 fresh blocks, their 512 slots, 32 blocks published. Each sample admits a fresh sequence
-    untimed and frees it uncached, so every chunk allocates and publishes anew."""
+    """One 512-token ``prefill`` chunk: 32 fresh blocks, their 512 slots, 32 blocks published.
+
+    Samples are the consecutive chunks of an 8,192-token prompt admitted with ``prefill=0``, as
+    an engine schedules a long prompt chunk after chunk; once all 16 chunks are done the prompt
+    is freed uncached and admitted again (untimed), so every chunk allocates and publishes anew.
+    (Timing each chunk right after an untimed 4,096-token admission, as an earlier version did,
+    measured the admission's cache footprint more than the chunk: 1.5-3x slower, and noisy.)
+    """
     rng = np.random.default_rng(SEED + 5)
     m = KVCacheManager(num_blocks=4096, block_size=BLOCK_SIZE)
-    prompt = _tokens(rng, 4096)
-    counter = iter(range(10**9))
+    prompt = _tokens(rng, 8192)
+    m.add_sequence("p", prompt, prefill=0)
 
     def setup():
-        sid = f"p{next(counter)}"
-        m.add_sequence(sid, prompt, prefill=0)
-        return sid
+        if m.num_computed("p") == len(prompt):
+            m.free("p", cache=False)
+            m.take_events()
+            m.add_sequence("p", prompt, prefill=0)
+        return "p"
 
-    def teardown(sid):
-        m.free(sid, cache=False)
-        m.take_events()
-
-    t = measure(lambda sid: m.prefill(sid, 512), setup=setup, teardown=teardown,
+    t = measure(lambda sid: m.prefill(sid, 512), setup=setup,
                 repeat=200 if quick else 3000, warmup=20 if quick else 100, max_time_s=5)
     return _row("prefill, one 512-token chunk", t.median_us, "µs", 15.0,
                 f"32 blocks taken and published, 512 slots returned; {t.spread()}")
