@@ -414,17 +414,17 @@ class KVCacheManager:
 
     def _prompt_hashes(self, root: Hashable, data: bytes, nfull: int, remember: bool) -> list:
         """The chained hashes of a prompt's ``nfull`` full blocks, from the memo if a lookup
-        computed them. ``remember`` (lookup) keeps them there; an admission takes them out (the
-        list becomes the sequence's own). The memo key is a sha256 of the prompt's bytes, so
-        equal keys mean equal prompts whatever ``hash_algo`` is."""
+        computed them. ``remember`` (lookup) keeps what it computes there; an admission gets a
+        copy (the list becomes the sequence's own, and a failed admission, retried next step,
+        still finds the entry). The memo key is a sha256 of the prompt's bytes, so equal keys
+        mean equal prompts whatever ``hash_algo`` is."""
         memo = self._hash_memo
         if memo or remember:
             key = (root, hashlib.sha256(data).digest())
-            hashes = memo.get(key) if remember else memo.pop(key, None)
+            hashes = memo.get(key)
             if hashes is not None:
-                if remember:
-                    memo.move_to_end(key)
-                return hashes
+                memo.move_to_end(key)
+                return hashes if remember else hashes.copy()
         hashes = self._hasher.chain(root, data, 4 * self._bs, nfull)
         if remember:
             memo[key] = hashes
@@ -811,18 +811,20 @@ class KVCacheManager:
         One call per decode step, not per block.
         """
         bs, digest = self._bs, self._digest
-        entries = []
-        push = entries.append
+        blocks, hashes, parents, tokens = [], [], [], []
         for s in filled:
             block_tokens = s.tokens[-bs:]
-            hashes = s.hashes
-            parent = hashes[-1] if hashes else s.root
+            chain = s.hashes
+            parent = chain[-1] if chain else s.root
             h = digest(parent, _le_bytes(block_tokens))
+            chain.append(h)
+            blocks.append(s.table[-1])
             hashes.append(h)
-            push((s.table[-1], h, parent, block_tokens))
-        self._cache.publish_each(entries, bs)
+            parents.append(parent)
+            tokens.append(block_tokens)
+        self._cache.publish_blocks(blocks, hashes, parents, tokens, bs)
         if self._write_through:
-            self._tier.published([e[0] for e in entries], [e[1] for e in entries])
+            self._tier.published(blocks, hashes)
 
     def take_copies(self) -> list[CopyOp]:
         """Drain the copies queued by copy-on-write; run them before writing this step's KV.

@@ -8,7 +8,7 @@ so that it can file a released block as revivable and say which one it evicted. 
 * ``longest_prefix(hashes, limit)``: how many leading blocks of a prompt are already held, in
   one dict lookup per block, stopping at the first miss (chaining makes later hits impossible).
 * ``publish(...)`` (a run of blocks chained one from the next: a prompt, a prefill chunk, accepted
-  drafts) and ``publish_each(...)`` (unrelated single blocks: one decode step): a block whose every
+  drafts) and ``publish_blocks(...)`` (unrelated single blocks: one decode step): a block whose every
   position is scheduled becomes findable by its hash. When an equal block is already mapped the
   new one is simply not published; both may coexist (block tables are append-only), and the map
   keeps the older one.
@@ -19,12 +19,17 @@ so that it can file a released block as revivable and say which one it evicted. 
 """
 from __future__ import annotations
 
+from collections import deque
+from itertools import repeat
 from typing import Any, Hashable, Iterable, Sequence
 
 from .eventlog import EventLog
-from .pool import BlockPool, _consume
+from .pool import BlockPool
 
 __all__ = ["PrefixCache"]
+
+# Runs an iterator to its end in C, no bytecode per item: a zero-length deque's extend.
+_consume = deque(maxlen=0).extend
 
 
 class PrefixCache:
@@ -123,28 +128,34 @@ class PrefixCache:
         return self._content[block]
 
     def publish_each(self, entries: Iterable[tuple[int, Hashable, Hashable, Any]], block_size: int) -> None:
-        """Publish unrelated single blocks, each ``(block, hash, parent hash, its tokens)``:
-        the blocks that one decode step filled, one event each, in the given order."""
-        m = self._map
-        blocks, hashes = [], []
-        log, content = self._log, self._content
-        raw = [] if log is not None else None
-        medium = self.medium
-        for e in entries:
-            h = e[1]
-            if h not in m:
-                b = e[0]
-                m[h] = b
-                blocks.append(b)
-                hashes.append(h)
-                if raw is not None:
-                    raw.append(((h,), e[2], e[3], block_size, medium))
-                if content is not None:
-                    content[b] = (e[2], e[3])
-        if blocks:
-            self._pool.set_keys(blocks, hashes)
-            if raw:
-                log.stored_many(raw)
+        """Publish unrelated single blocks, each ``(block, hash, parent hash, its tokens)``, in
+        the given order (see :meth:`publish_blocks`)."""
+        entries = list(entries)
+        if entries:
+            blocks, hashes, parents, tokens = map(list, zip(*entries))
+            self.publish_blocks(blocks, hashes, parents, tokens, block_size)
+
+    def publish_blocks(self, blocks: list, hashes: list, parents: list, tokens: list, block_size: int) -> None:
+        """Publish unrelated single blocks given as columns: block ``blocks[i]`` holds
+        ``tokens[i]`` and hashes to ``hashes[i]``, chained from ``parents[i]``. This is what one
+        decode step fills (one block in 16 of a batch at block size 16), one event each, in
+        order; a hash already mapped (here or earlier in the list) keeps its older block.
+
+        The common case (every hash new) runs in C-level passes: one ``setdefault`` probe a
+        hash, one update of the pool's keys, and the events' raw tuples zipped from the columns.
+        """
+        held = list(map(self._map.setdefault, hashes, blocks))
+        if held != blocks:  # some hashes were mapped already: publish only the new ones
+            new = [i for i, (b, k) in enumerate(zip(blocks, held)) if b == k]
+            if not new:
+                return
+            blocks, hashes = [blocks[i] for i in new], [hashes[i] for i in new]
+            parents, tokens = [parents[i] for i in new], [tokens[i] for i in new]
+        self._pool.set_keys(blocks, hashes)
+        if self._log is not None:
+            self._log.stored_many(zip(zip(hashes), parents, tokens, repeat(block_size), repeat(self.medium)))
+        if self._content is not None:
+            self._content.update(zip(blocks, zip(parents, tokens)))
 
     def _stored(self, hashes, parent, tokens, bs, i, j) -> None:
         if self._log is not None:
