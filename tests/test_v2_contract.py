@@ -144,6 +144,30 @@ def test_lookup_with_caching_off_is_zero():
     assert (u.prefix_query_tokens, u.prefix_hit_tokens) == (0, 0)
 
 
+def test_lookup_memo_is_bounded_and_survives_a_failed_admission(monkeypatch):
+    """The hashes a lookup remembers for the admission are bounded by prompts and by blocks in
+    all, and an admission refused for lack of blocks leaves them there for its retry (white-box:
+    the memo is invisible through the API, so the test reads the manager's own counters)."""
+    import pagedkv.manager as manager
+
+    monkeypatch.setattr(manager, "HASH_MEMO_BLOCKS", 10)
+    m = mk(4)
+    for i in range(5):  # 5 prompts of 3 full blocks: at most 3 fit under 10 blocks
+        m.lookup(toks(100 * i, 13))
+        assert m._memo_blocks == sum(map(len, m._hash_memo.values())) <= 10
+    assert len(m._hash_memo) == 3
+    m.lookup(toks(900, 4 * 11))  # 11 full blocks: more than the bound, never remembered
+    assert len(m._hash_memo) == 3 and m._memo_blocks == 9
+    with pytest.raises(OutOfBlocks):
+        m.add_sequence("big", toks(400, 13 + 8))  # 6 blocks needed, 4 in the pool
+    m.lookup(toks(400, 21))
+    entries = dict(m._hash_memo)
+    with pytest.raises(OutOfBlocks):
+        m.add_sequence("big", toks(400, 21))
+    assert dict(m._hash_memo) == entries  # the refused admission took nothing away
+    m.check_invariants()
+
+
 # ---------------------------------------------------------------- add_sequence(prefill=k)
 
 

@@ -46,9 +46,11 @@ from .types import CopyOp, OutOfBlocks, PrefixHit, Transfer, Usage
 __all__ = ["KVCacheManager"]
 
 _BIG_ENDIAN = sys.byteorder == "big"
-# Prompts whose block hashes a lookup computed and no admission has consumed yet (the waiting
-# queue a scheduler keeps asking about). Each entry holds one hash per full block.
+# Prompts whose block hashes a lookup computed (the waiting queue a scheduler keeps asking
+# about): at most 256 prompts and 65,536 block hashes in all (about 5 MiB), whichever binds
+# first, so that a few 100,000-token prompts cannot make the memo hold hundreds of MiB.
 HASH_MEMO_ENTRIES = 256
+HASH_MEMO_BLOCKS = 1 << 16
 MAX_BLOCK_SIZE = 2**31 - 1  # FlashInfer's last_page_len and every slot stay int32/int64-exact
 
 
@@ -236,6 +238,7 @@ class KVCacheManager:
         # lookup and taken by the admission of the same prompt: a scheduler that looks a waiting
         # request up every step hashes its prompt once, as vLLM keeps hashes on the request.
         self._hash_memo: OrderedDict[tuple, list] = OrderedDict()
+        self._memo_blocks = 0  # hashes held by the memo's entries
         self._cow_copies = 0
         self._forks = 0
 
@@ -426,10 +429,11 @@ class KVCacheManager:
                 memo.move_to_end(key)
                 return hashes if remember else hashes.copy()
         hashes = self._hasher.chain(root, data, 4 * self._bs, nfull)
-        if remember:
+        if remember and nfull <= HASH_MEMO_BLOCKS:
             memo[key] = hashes
-            if len(memo) > HASH_MEMO_ENTRIES:
-                memo.popitem(last=False)
+            self._memo_blocks += nfull
+            while len(memo) > HASH_MEMO_ENTRIES or self._memo_blocks > HASH_MEMO_BLOCKS:
+                self._memo_blocks -= len(memo.popitem(last=False)[1])
         return hashes
 
     def add_sequence(self, seq_id: Hashable, prompt_ids: Sequence[int], cache_salt: Any = None,
