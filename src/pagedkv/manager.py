@@ -672,7 +672,17 @@ class KVCacheManager:
         """
         if type(seq_ids) is not list and type(seq_ids) is not tuple:
             seq_ids = _id_sequence(seq_ids)
-        toks = _token_array(token_ids)  # validates every id in one C loop
+        # Every id is validated in one C loop. For a list or tuple, the loop below then appends
+        # its own int objects rather than new ones read back out of the array.
+        toks = vals = None
+        if type(token_ids) is list or type(token_ids) is tuple:
+            try:
+                toks = array("I", token_ids)
+                vals = token_ids
+            except (TypeError, OverflowError):  # numpy scalars or bad ids: the checked path
+                pass
+        if toks is None:
+            toks = vals = _token_array(token_ids)
         if len(toks) != len(seq_ids):
             raise ValueError(f"{len(seq_ids)} sequence ids but {len(toks)} tokens")
         n = len(toks)
@@ -698,7 +708,7 @@ class KVCacheManager:
         out = []
         push = out.append
         filled = []
-        for s, t in zip(ss, toks):
+        for s, t in zip(ss, vals):
             slot = s.nxt
             if slot < 0:
                 slot = slow(s)
