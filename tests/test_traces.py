@@ -157,6 +157,17 @@ def test_azure_errors_name_file_and_line(tmp_path, text, match):
     assert "bad.csv" in str(e.value)
 
 
+def test_azure_bad_header_is_shown_escaped(tmp_path):
+    """A header with control bytes (a binary file, an escape sequence) is echoed as a repr, so
+    the error line cannot drive the user's terminal."""
+    p = write(tmp_path, "bad.csv", "\x1b[2JTIMESTAMP,ContextTokens,Generated\x07\n1,2,3\n")
+    with pytest.raises(TraceFormatError, match="expected the header") as e:
+        load_azure_csv(p)
+    msg = str(e.value)
+    assert "\x1b" not in msg and "\x07" not in msg
+    assert "\\x1b[2JTIMESTAMP" in msg
+
+
 MOONCAKE = [
     {"timestamp": 1000, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 2]},
     {"timestamp": 1500, "input_length": 1500, "output_length": 7, "hash_ids": [0, 1, 3]},

@@ -286,7 +286,9 @@ def load_azure_csv(path: str | Path, *, limit: int | None = None, start: int = 0
         raise TraceFormatError(f"{p}: no requests in the trace (the file is empty)")
     header = [c.strip() for c in first.strip().lstrip("\ufeff").split(",")]
     if sorted(header) != sorted(_AZURE_COLUMNS):
-        raise TraceFormatError(f"{p}:1: expected the header {','.join(_AZURE_COLUMNS)}, got {','.join(header)}")
+        got = ",".join(header)
+        shown = got if got.isprintable() else repr(got)  # control bytes never reach the terminal raw
+        raise TraceFormatError(f"{p}:1: expected the header {','.join(_AZURE_COLUMNS)}, got {shown}")
     col = {name: header.index(name) for name in _AZURE_COLUMNS}
     ns = trace_stem(p)
     items = []
