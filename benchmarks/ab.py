@@ -22,7 +22,9 @@ that hits nothing (freed uncached after each sample). When both trees have contr
 one 512-token ``prefill`` chunk (the next chunk of an 8,192-token prompt admitted with
 ``prefill=0``), four speculative drafts plus ``accept(id, 2)``, and the admission and the first
 ``lookup`` of 1,000-token prompts whose 62 full blocks are cached (distinct prompts, so no lookup
-finds its hashes remembered), the rows ``pagedkv bench`` sets v2 targets for.
+finds its hashes remembered), the rows ``pagedkv bench`` sets v2 targets for. Last, four
+replays of a 300-request trace of the bench's shape on each tree, alternating: per admission and
+per decoded token (a decode step's time over its batch size).
 """
 from __future__ import annotations
 
@@ -62,6 +64,60 @@ def workload(rounds: int, seed: int = 0) -> dict:
         "drafts": [rng.integers(0, 32000, size=4).tolist() for _ in range(rounds)],
         "cached": [rng.integers(0, 32000, size=1000).tolist() for _ in range(2 * (rounds // 10 + 1))],
     }
+
+
+REPLAY_ROWS = ("replay: per admission", "replay: per decoded token")
+
+
+def replay_trace(n_requests: int = 300, seed: int = 1) -> tuple[list, list]:
+    """The bench's trace-replay shape, smaller: prompts of 200..2,000 tokens, half of them
+    starting with one of 10 shared 512-token system prompts; 100 decoded tokens each."""
+    rng = np.random.default_rng(seed)
+    systems = [rng.integers(0, 32000, size=512) for _ in range(10)]
+    prompts, decoded = [], []
+    for _ in range(n_requests):
+        n = int(rng.integers(200, 2001))
+        if rng.random() < 0.5:
+            head = systems[int(rng.integers(0, 10))][:n]
+            p = np.concatenate([head, rng.integers(0, 32000, size=n - head.size)])
+        else:
+            p = rng.integers(0, 32000, size=n)
+        prompts.append(p.tolist())
+        decoded.append(rng.integers(0, 32000, size=100).tolist())
+    return prompts, decoded
+
+
+def replay(pkg, prompts: list, decoded: list, kw: dict, res: dict, clock) -> None:
+    """One replay (at most 64 running, 10,000 blocks): each admission timed, and each decode
+    step's time divided by its batch size, as ``pagedkv bench`` does."""
+    m = pkg.KVCacheManager(num_blocks=10_000, block_size=BLOCK_SIZE, **kw)
+    waiting, running, pos = list(range(len(prompts)))[::-1], [], {}
+    while waiting or running:
+        while waiting and len(running) < 64:
+            i = waiting[-1]
+            t0 = clock()
+            try:
+                m.add_sequence(i, prompts[i])
+            except pkg.OutOfBlocks:
+                break
+            res[REPLAY_ROWS[0]].append(clock() - t0)
+            waiting.pop()
+            running.append(i)
+            pos[i] = 0
+        toks = [decoded[i][pos[i]] for i in running]
+        t0 = clock()
+        m.append_batch(running, toks)
+        res[REPLAY_ROWS[1]].append((clock() - t0) / len(running))
+        still = []
+        for i in running:
+            pos[i] += 1
+            if pos[i] == len(decoded[i]):
+                m.free(i)
+            else:
+                still.append(i)
+        running = still
+        m.take_copies()
+        m.take_events()
 
 
 V2_ROWS = ("prefill, one 512-token chunk", "4 drafts + accept(2)", "admission, 1,000 tokens, 62 hit",
@@ -131,6 +187,7 @@ def run(pkgs: dict, wl: dict, rounds: int, kw: dict) -> dict:
     v2_state = {name: build_v2(pkg, wl, kw) for name, pkg in pkgs.items()} if v2 else {}
     rows = ("append_batch, 256 seqs", "append_token, room in block", "admission, 1,000 tokens, no hit")
     rows += V2_ROWS if v2 else ()
+    rows += REPLAY_ROWS
     out = {name: {r: [] for r in rows} for name in pkgs}
     clock = time.perf_counter_ns
     names = list(pkgs)
@@ -159,6 +216,13 @@ def run(pkgs: dict, wl: dict, rounds: int, kw: dict) -> dict:
                 if v2:
                     time_v2(v2_state[name], wl, i, res, clock)
             if i % 200 == 199:
+                gc.enable()
+                gc.collect()
+                gc.disable()
+        prompts, decoded = replay_trace()
+        for i in range(4):  # whole replays, alternating trees
+            for name in names if i % 2 == 0 else names[::-1]:
+                replay(pkgs[name], prompts, decoded, kw, out[name], clock)
                 gc.enable()
                 gc.collect()
                 gc.disable()
