@@ -401,3 +401,10 @@ def test_published_figures_sit_next_to_precise_vs_ring_and_round_robin_only_wher
     without = Section("fleet", "t")
     _published_table(rows, without)
     assert {c["ours"] for c in without.data["published_comparison"]} == {"n/a (no precise run)"}
+
+
+def test_section_says_how_many_requests_it_replays(quick_section):
+    n = quick_section.data["fleet_requests"]
+    assert n == 100 and quick_section.data["routers"]["ring"]["requests"] == n
+    assert any(f"replay the first {n:,} requests" in t and "pagedkv fleet --num-requests all" in t
+               for t in quick_section.text)

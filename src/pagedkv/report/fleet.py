@@ -14,7 +14,9 @@ come and go. Four tables:
    ``RSD^2 = A + (1 - A) (n - 1) sum c_j^2 / m^2`` with ``A`` the share variance above is exact
    in expectation for keys hashed uniformly.
 2. **Bounded loads.** The ring with a cap of ``ceil((1 + eps) x average in flight)`` per replica
-   (Mirrokni, Thorup and Zadimoghaddam, SODA'18) on a slice of the Mooncake conversation trace:
+   (Mirrokni, Thorup and Zadimoghaddam, SODA'18) on a slice of the Mooncake conversation trace
+   (its first 800 requests, 100 with ``quick``: six fleet runs of the whole trace would take
+   minutes, see ``benchmarks/fleet_scale.py``; ``pagedkv fleet --num-requests all`` runs it):
    hit rate against balance as ``eps`` varies.
 3. **Routers on the same slice**: round-robin (cache-blind; ``pagedkv fleet`` also runs
    least-loaded), the ring with and without bounded loads, and the precise router (an index
@@ -55,7 +57,7 @@ VNODES = (1, 10, 100, 1_000)
 RING_VNODES = 100  # the ring the fleet runs use
 SEEDS = {False: 100, True: 10}  # ring seeds per k (full, quick)
 KEY_REQUESTS = {False: None, True: 1_000}  # trace requests whose keys table 1 places (None: all)
-FLEET_REQUESTS = {False: 400, True: 100}  # the slice the fleet runs serve
+FLEET_REQUESTS = {False: 800, True: 100}  # the slice tables 2-4 serve; the whole trace: pagedkv fleet
 EPS = {False: (0.1, 0.25, 1.0), True: (0.25,)}
 GPU_MEM_GIB, UTIL = 80.0, 0.9  # an H100, as pagedkv simulate assumes by default
 MAX_LEN = 131_072
@@ -330,6 +332,11 @@ def section(opts: ReportOptions) -> Section:
         "every request.")
 
     requests = keyed[:FLEET_REQUESTS[quick]]
+    of = f" of the trace's {len(keyed):,}" if KEY_REQUESTS[quick] is None else " of the trace"
+    sec.text.append(
+        f"Tables 2 to 4 replay the first {len(requests):,} requests{of} on {REPLICAS} replicas, a slice that keeps "
+        "the report quick; pagedkv fleet --num-requests all replays the whole trace, and "
+        "benchmarks/fleet_scale.py measures what that costs (docs/design.md, section 2.8).")
     blocks, cost = _fleet_setup(opts)
     eps_runs: dict[str, FleetResult] = {}
     for eps in EPS[quick]:
