@@ -22,7 +22,7 @@ Transfers are drained once per step, like copies, and run before the step's K/V 
 """
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 from .eventlog import EventLog
 from .pool import BlockPool
@@ -238,13 +238,21 @@ class HostTier:
 
     # ---- checks ------------------------------------------------------------------------------
 
-    def check_invariants(self, swapped_refs: dict[int, int]) -> None:
+    def check_invariants(self, swapped_refs: dict[int, int],
+                         block_hash: Callable[[Hashable, Any], Hashable] | None = None) -> None:
         """The host pool's own states; each host block's refcount equals the swapped-out
         sequences holding it plus the pending transfers pinning it; each direction of the
-        pending transfers is batch-safe."""
+        pending transfers is batch-safe; and, given ``block_hash(parent, tokens)`` (the
+        manager's hash function: the tier does not hash), every cached host block's kept tokens
+        chained from its kept parent give its hash. ``swapped_refs`` maps a host block to the
+        swapped-out sequences holding it."""
+        if not isinstance(swapped_refs, dict):
+            raise ValueError(f"swapped_refs must be a dict, got {type(swapped_refs).__name__}")
+        if block_hash is not None and not callable(block_hash):
+            raise ValueError(f"block_hash must be a callable or None, got {type(block_hash).__name__}")
         self._pool.check_invariants()
         if self._cache is not None:
-            self._cache.check_invariants()
+            self._cache.check_invariants(block_hash)
         refs = dict(swapped_refs)
         for h in self._pinned:
             refs[h] = refs.get(h, 0) + 1

@@ -37,7 +37,7 @@ from typing import Any, Hashable, Iterable, Sequence
 import numpy as np
 
 from .eventlog import EventLog
-from .hashing import MAX_TOKEN_ID, BlockHasher
+from .hashing import MAX_TOKEN_ID, BlockHasher, token_bytes
 from .host_tier import WRITE_POLICIES, HostTier
 from .pool import MAX_BLOCKS, BlockPool, as_int
 from .prefix_cache import PrefixCache
@@ -1146,6 +1146,9 @@ class KVCacheManager:
         keys are one bijection; the pending copies are batch-safe; and, with a host tier, the
         same for the host: each host block's refcount is the swapped-out sequences holding it
         plus the pending transfers pinning it, and swapped-out positions hold no device block.
+        Each tier's kept content (a tiered manager keeps every cached block's parent hash and
+        tokens, to republish it on the other tier) is rehashed: a block's tokens chained from its
+        parent give the hash it is mapped under, so a host block holds the tokens its hash names.
         """
         pool = self._pool
         pool.check_invariants()
@@ -1185,7 +1188,7 @@ class KVCacheManager:
         _require(unready == self._unready, f"{unready} sequences unready, {self._unready} counted")
         _require(swapped == self._swapped, f"{swapped} sequences swapped out, {self._swapped} counted")
         if self._tier is not None:
-            self._tier.check_invariants(host_refs)
+            self._tier.check_invariants(host_refs, self._rehash)
         else:
             _require(not swapped, "a sequence is swapped out without a host tier")
         for sid, s in self._seqs.items():
@@ -1193,6 +1196,11 @@ class KVCacheManager:
                 _require(b not in partial_fill, f"block {b} is full in {sid!r} but partial elsewhere")
         self._check_copies()
         self._check_cache()
+
+    def _rehash(self, parent: Hashable, tokens: Sequence[int]) -> Hashable:
+        """One block's chained hash from its tokens, as every hash is computed (little-endian
+        uint32 bytes): what a cache's kept ``(parent, tokens)`` must give back, for the checks."""
+        return self._hasher.block(parent, token_bytes(tokens))
 
     def _check_copies(self) -> None:
         dsts = [c.dst for c in self._copies]
@@ -1209,7 +1217,7 @@ class KVCacheManager:
         if cache is None:
             _require(not keys, "blocks carry keys with prefix caching off")
             return
-        cache.check_invariants()
+        cache.check_invariants(self._rehash)
         for sid, s in self._seqs.items():
             nfull = (len(s.tokens) - s.drafts) // bs
             data = _le_bytes(s.tokens[: nfull * bs])

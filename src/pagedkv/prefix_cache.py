@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import deque
 from itertools import repeat
-from typing import Any, Hashable, Iterable, Sequence
+from typing import Any, Callable, Hashable, Iterable, Sequence
 
 from .eventlog import EventLog
 from .pool import BlockPool
@@ -199,8 +199,15 @@ class PrefixCache:
 
     # ---- checks ------------------------------------------------------------------------------
 
-    def check_invariants(self) -> None:
-        """The hash map and the pool's keys are one bijection."""
+    def check_invariants(self, block_hash: Callable[[Hashable, Any], Hashable] | None = None) -> None:
+        """The hash map and the pool's keys are one bijection; with kept content and
+        ``block_hash(parent, tokens)`` (the owner's hash function: this cache never computes a
+        hash), every mapped block's kept tokens chained from its kept parent hash to the hash it
+        is mapped under. The content is what another tier republishes and what a router is told
+        the block holds, so a block whose content is not what its hash names would serve, and
+        advertise, someone else's KV."""
+        if block_hash is not None and not callable(block_hash):
+            raise ValueError(f"block_hash must be a callable or None, got {type(block_hash).__name__}")
         keys = self._pool.keyed_blocks()
         if self._content is not None and set(self._content) != set(keys):
             raise AssertionError("kept content differs from the mapped blocks")
@@ -209,3 +216,9 @@ class PrefixCache:
         for h, b in self._map.items():
             if keys.get(b) != h:
                 raise AssertionError(f"hash maps to block {b}, whose key differs")
+        if block_hash is not None and self._content is not None:
+            for h, b in self._map.items():
+                parent, tokens = self._content[b]
+                if block_hash(parent, tokens) != h:
+                    raise AssertionError(f"{self.medium} block {b}: its kept tokens, chained from its "
+                                         f"kept parent, do not hash to the hash it is mapped under")
