@@ -132,6 +132,20 @@ def test_hits_table_rows(offload):
     assert data["requests"] == host_offload.HIT_REQUESTS[True] and data["block_size"] == 128
     host_gib = [data["device_blocks"] * m * 128 * KV / 2**30 for m in host_offload.HOST_MULTIPLES]
     assert t.column("host GiB") == pytest.approx(host_gib)
+    # TTFT p50 beside p90 and the mean, per layout, as the data has them
+    for layout in ("per-layer", "1 copy/block"):
+        p50, p90 = t.column(f"TTFT p50 ms {layout}"), t.column(f"TTFT p90 ms {layout}")
+        assert all(a <= b for a, b in zip(p50, p90))
+        assert p50 == [data["by_host"][m]["ttft_ms"][layout]["p50"] for m in host_offload.HOST_MULTIPLES]
+        assert t.column(f"mean TTFT ms {layout}") == [
+            data["by_host"][m]["ttft_ms"][layout]["mean"] for m in host_offload.HOST_MULTIPLES]
+    assert any("The median" in n for n in t.notes)
+
+
+def test_percentiles_by_hand():
+    # seconds in, milliseconds out: median of 1, 2, 3, 10 ms is 2.5; p90 interpolates 3 -> 10 at 0.7
+    assert host_offload._percentiles(np.array([1e-3, 2e-3, 3e-3, 10e-3])) == pytest.approx((2.5, 7.9, 4.0))
+    assert all(math.isnan(v) for v in host_offload._percentiles(np.array([])))
 
 
 def test_published_claims_are_labelled_with_their_sources(offload):

@@ -227,6 +227,16 @@ def _gpu_blocks(cost: CostModel, block_bytes: int) -> int | None:
         return None
 
 
+_LAYOUTS = ("per-layer", "1 copy/block")
+TTFT_COLUMNS = [f"{stat} ms {layout}" for layout in _LAYOUTS
+                for stat in ("TTFT p50", "TTFT p90", "mean TTFT")]
+
+
+def _ttft_cells(ttft: dict) -> list[float]:
+    """The TTFT columns' cells (``TTFT_COLUMNS``' order) from ``{layout: (p50, p90, mean)}``."""
+    return [v for layout in _LAYOUTS for v in ttft[layout]]
+
+
 def _hits_table(opts: ReportOptions, path: Path, cost: CostModel) -> tuple[Table, dict]:
     n = HIT_REQUESTS[opts.quick]
     requests, prompts, outputs = _mooncake_inputs(path, n)
@@ -243,8 +253,7 @@ def _hits_table(opts: ReportOptions, path: Path, cost: CostModel) -> tuple[Table
         f"requests, block size {bs}, device pool {device:,} blocks = "
         f"{device * block_bytes / GIB:.1f} GiB of {opts.model})",
         ["host capacity", "host GiB", "device hits %", "host hits %", "GiB loaded", "GiB offloaded",
-         "TTFT p90 ms per-layer", "mean TTFT ms per-layer", "TTFT p90 ms 1 copy/block",
-         "mean TTFT ms 1 copy/block"],
+         *TTFT_COLUMNS],
         plot={"name": "host_tier_hits", "x": "host capacity", "y": ["device hits %", "host hits %"], "kind": "bar",
               "ylabel": "% of prompt tokens served from cache"},
     )
@@ -255,8 +264,7 @@ def _hits_table(opts: ReportOptions, path: Path, cost: CostModel) -> tuple[Table
         ttft = {name: _percentiles(ttft_model(rep, cost, link, c, block_bytes)) for name, c in layouts.items()}
         label = "none" if not mult else f"{mult}x device"
         t.add(label, rep.host_blocks * block_bytes / GIB, 100 * rep.device_hit_rate, 100 * rep.host_hit_rate,
-              rep.loaded_blocks * block_bytes / GIB, rep.offloaded_blocks * block_bytes / GIB,
-              ttft["per-layer"][1], ttft["per-layer"][2], ttft["1 copy/block"][1], ttft["1 copy/block"][2])
+              rep.loaded_blocks * block_bytes / GIB, rep.offloaded_blocks * block_bytes / GIB, *_ttft_cells(ttft))
         data[mult] = {"host_blocks": rep.host_blocks, "device_hit_rate": rep.device_hit_rate,
                       "host_hit_rate": rep.host_hit_rate, "loaded_bytes": rep.loaded_blocks * block_bytes,
                       "offloaded_bytes": rep.offloaded_blocks * block_bytes, "skipped": rep.skipped,
@@ -272,13 +280,25 @@ def _hits_table(opts: ReportOptions, path: Path, cost: CostModel) -> tuple[Table
         f"Block size {bs}, not the report's: an offloaded block costs the manager Python work per "
         f"block, and the trace shares prefixes in 512-token units, so hits land on the same "
         f"512-token boundaries at any block size that divides 512.")
-    t.notes.append(
-        f"TTFT per request alone on an H100 ({cost.model}, cost model): prefill of the tokens not "
-        f"hit + loads from the host + offloads beyond the prefill; link {link.describe()}; a block "
-        f"is {layouts['per-layer']} copies per-layer or 1 contiguous. No queueing: the serving table "
-        f"below has it. Most requests hit nothing, so the median is the cold prefill in every row.")
+    t.notes.append(_ttft_note(cost, link, layouts, data))
     t.notes += [f"Published, theirs and not ours: {c}" for c in CLAIMS]
     return t, {"requests": len(requests), "block_size": bs, "device_blocks": device, "by_host": data}
+
+
+def _ttft_note(cost: CostModel, link: Link, layouts: dict, by_row: dict) -> str:
+    """The TTFT model, stated, and what the medians do across the rows (read from them)."""
+    first, last = by_row[min(by_row)]["ttft_ms"], by_row[max(by_row)]["ttft_ms"]
+    same = all(len({round(row["ttft_ms"][layout]["p50"], 1) for row in by_row.values()}) == 1
+               for layout in layouts)
+    median = ("The median is the same in every row: the median request's TTFT does not move with "
+              "the host tier." if same else
+              "The median goes from " + " and ".join(
+                  f"{first[layout]['p50']:.1f} to {last[layout]['p50']:.1f} ms ({layout})"
+                  for layout in layouts) + " between the first and the last row.")
+    return (f"TTFT per request alone on an H100 ({cost.model}, cost model): prefill of the tokens "
+            f"not hit + loads from the host + offloads beyond the prefill; link {link.describe()}; a "
+            f"block is {layouts['per-layer']} copies per-layer or 1 contiguous. No queueing: the "
+            f"serving table below has it. {median}")
 
 
 def _azure_load_table(opts: ReportOptions, path: Path, cost: CostModel, device_tokens: int) -> tuple[Table, dict]:
