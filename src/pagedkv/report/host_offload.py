@@ -409,7 +409,7 @@ def _azure_hits_table(opts: ReportOptions, path: Path, cost: CostModel) -> tuple
         rows = {}
         for mult in HOST_MULTIPLES:
             k += 1
-            opts.note(f"{KEY}: modelled Azure replay {k}/{runs} (S = {shared:,}, host {mult}x the device pool)")
+            opts.note(f"{KEY}: modelled Azure replay {k}/{runs} (S {shared:,}, host {mult}x)")
             rep = replay_tiered(prompts, outputs, device, mult * device, bs)
             ttft = {name: _percentiles(ttft_model(rep, cost, link, c, block_bytes)) for name, c in layouts.items()}
             t.add(f"S {shared:,}, " + ("no host" if not mult else f"{mult}x device"), 100 * rep.device_hit_rate,
