@@ -76,13 +76,16 @@ def test_eviction_offloads_to_the_host_with_events_tagged_by_medium():
     # 6 device blocks: 3 cached (2, 1, 0 oldest first... released tail first: 2 is oldest), 3 clean
     m.add_sequence("b", toks(100, 20))  # 5 blocks: 3 clean (3, 4, 5), then evicts 2 and 1
     assert m.block_table("b") == [3, 4, 5, 2, 1]
-    assert m.take_transfers() == [to_host(2, 0), to_host(1, 1)]
+    # evicted child (2) first, parent (1) second; copied out parent first, into host 0 then 1
+    assert m.take_transfers() == [to_host(1, 0), to_host(2, 1)]
     events = m.take_events()
     removed = [e for e in events if isinstance(e, BlockRemoved)]
     assert [e.medium for e in removed] == ["GPU"]
     host_stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
-    assert [e.token_ids for e in host_stored] == [tuple(toks(8, 4)), tuple(toks(4, 4))]
-    assert removed[0].block_hashes == tuple(h for e in host_stored for h in e.block_hashes)
+    # one event for the chain, parent first, chained from A's block 0 (still on the device)
+    assert [e.token_ids for e in host_stored] == [tuple(toks(4, 8))]
+    assert removed[0].block_hashes == tuple(reversed(host_stored[0].block_hashes))
+    assert host_stored[0].parent_block_hash not in removed[0].block_hashes
     u = m.usage()
     assert (u.host_cached_blocks, u.transfers_to_host, u.evictions) == (2, 2, 2)
     m.check_invariants()
@@ -101,10 +104,11 @@ def test_a_prefix_hit_continues_on_the_host_and_loads_blocks():
     assert m.take_events() == [] and m.take_transfers() == []  # lookup changes nothing
     assert m.add_sequence("a2", a) == 12
     # No clean block is left: B's blocks (cached, LRU 2, 7, ...) are evicted for the load's
-    # destination and the fresh tail, and offloaded themselves. Device block 2 is read out to
-    # the host before A's third block is loaded into it: to_host entries come first.
+    # destination and the fresh tail, and offloaded themselves, parent (7) before child (2).
+    # Device block 2 is read out to the host before A's third block is loaded into it:
+    # to_host entries come first.
     assert m.block_table("a2") == [0, 1, 2, 7]
-    assert m.take_transfers() == [to_host(2, 1), to_host(7, 2), to_device(0, 2)]
+    assert m.take_transfers() == [to_host(7, 1), to_host(2, 2), to_device(0, 2)]
     u = m.usage()
     assert (u.host_hit_tokens, u.prefix_hit_tokens, u.transfers_to_device) == (4, 12, 1)
     m.check_invariants()
@@ -133,13 +137,120 @@ def test_write_policy_none_keeps_the_host_for_swaps_only():
     m.check_invariants()
 
 
+class Router:
+    """A KV-aware router's index, as NVIDIA Dynamo and llm-d keep one: a ``BlockStored`` whose
+    parent it knows on neither medium (nor is a prompt's root) is dropped, as theirs are."""
+
+    def __init__(self):
+        from pagedkv.hashing import BlockHasher
+
+        self.root = BlockHasher().root(None)
+        self.held = {"GPU": set(), "CPU": set()}
+        self.dropped = []
+
+    def apply(self, events):
+        for e in events:
+            if isinstance(e, BlockStored):
+                known = self.held["GPU"] | self.held["CPU"] | {self.root}
+                if e.parent_block_hash not in known:
+                    self.dropped.append(e)
+                    continue
+                self.held[e.medium].update(e.block_hashes)
+            elif isinstance(e, BlockRemoved):
+                self.held[e.medium].difference_update(e.block_hashes)
+        return self
+
+
+def test_host_events_name_parents_first_in_one_eviction_batch():
+    """Two prompts sharing a first block, freed, then evicted by one admission: the device's
+    LRU lists the tails first, the host publishes each chain parent first (one event per
+    chained run, the sibling chained from the shared parent), so a router drops nothing."""
+    m = make(num_blocks=7, host_blocks=8)
+    r = Router()
+    m.add_sequence("p", toks(0, 9))  # blocks 0, 1 full (P, C1), 2 partial
+    m.add_sequence("q", toks(0, 4) + toks(50, 5))  # hits P; 3 full (C2), 4 partial
+    m.free("p")
+    m.free("q")
+    r.apply(m.take_events())
+    evictions = m.usage().evictions
+    m.add_sequence("f", toks(100, 28))  # 7 blocks: 2 clean, then evicts all 5 cached... 3 hashed
+    assert m.usage().evictions - evictions == 3
+    events = m.take_events()
+    (removed,) = [e for e in events if isinstance(e, BlockRemoved)]
+    cpu = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
+    p, c1, c2 = (m.lookup(t) for t in (toks(0, 5), toks(0, 9), toks(0, 4) + toks(50, 5)))
+    assert (p.host, c1.host, c2.host) == (4, 8, 8)
+    assert [len(e.block_hashes) for e in cpu] in ([2, 1], [1, 2])  # P with one child, the other alone
+    assert cpu[0].parent_block_hash == r.root
+    assert cpu[1].parent_block_hash == cpu[0].block_hashes[0]  # the sibling names the shared P
+    assert set(removed.block_hashes) == {h for e in cpu for h in e.block_hashes}
+    assert removed.block_hashes[-1] == cpu[0].block_hashes[0]  # the LRU gave P last
+    r.apply(events)
+    assert r.dropped == [] and len(r.held["CPU"]) == 3
+    m.take_transfers()
+    m.check_invariants()
+
+
+def test_a_short_host_keeps_the_prefix_of_an_evicted_chain():
+    """Room for two of three evicted chained blocks: the host keeps blocks 0 and 1 (a prefix,
+    findable), not 1 and 2 (unreachable without 0); the drain files the child as the older,
+    so the next host eviction takes the tail first and the prefix stays findable."""
+    m = make(num_blocks=5, host_blocks=2)
+    a = toks(0, 13)  # blocks 0, 1, 2 full, 3 partial
+    m.add_sequence("a", a)
+    m.free("a")
+    m.add_sequence("b", toks(100, 20))  # 5 blocks: 3 and 4, then evicts A's 3 (LRU 2, 1, 0)
+    assert m.block_table("b") == [3, 4, 2, 1, 0]
+    assert m.take_transfers() == [to_host(0, 0), to_host(1, 1)]
+    hit = m.lookup(a)
+    assert (hit, hit.device, hit.host) == (8, 0, 8)
+    m.free("b")
+    m.add_sequence("c", toks(200, 3))  # 1 block: evicts B's tail (0), copied out over a host block...
+    assert m.take_transfers() == [to_host(0, 1)]
+    hit = m.lookup(a)
+    assert (hit.device, hit.host) == (0, 4)  # ...A's tail's (host 1), not its head's
+    m.check_invariants()
+
+
+def test_one_allocation_evicting_blocks_the_host_holds_loses_none_of_them():
+    """One device allocation evicts X (whose hash the host already holds, as its oldest block)
+    and Y (new to the host) into a host with no free block: copying Y out must evict some host
+    block, and it must not be X, or X would be on neither tier. X is held through the host
+    allocation; Z (on the host and still on the device) goes instead. Each evicted block is
+    then findable on exactly one tier."""
+    m = make(num_blocks=4, host_blocks=2)
+    x, y, z = toks(0, 4), toks(100, 4), toks(200, 4)
+    m.add_sequence("x", x)  # device 0
+    m.swap_out("x")  # host 0 holds X; device 0 stays cached
+    m.take_transfers()
+    m.free("x")  # host LRU: [0 (X)]
+    m.add_sequence("y", y)  # device 1
+    m.free("y")
+    m.add_sequence("z", z)  # device 2
+    m.swap_out("z")  # host 1 holds Z
+    m.take_transfers()
+    m.free("z")  # host LRU: [0 (X), 1 (Z)]; device LRU: [0 (X), 1 (Y), 2 (Z)]
+    evictions = m.usage().evictions
+    m.add_sequence("q", toks(300, 12))  # 3 blocks: 3, then evicts 0 (X) and 1 (Y)
+    assert m.block_table("q") == [3, 0, 1] and m.usage().evictions - evictions == 2
+    assert m.take_transfers() == [to_host(1, 1)]  # Y into host 1: Z's, the host's other block
+    for prompt in (x, y):
+        hit = m.lookup(prompt + [9])
+        assert (hit.device, hit.host) == (0, 4), prompt
+    hit = m.lookup(z + [9])
+    assert (hit.device, hit.host) == (4, 0)  # Z left the host, not the device
+    m.check_invariants()
+
+
 def test_offload_is_best_effort_when_the_host_is_held():
     """Host blocks pinned by pending transfers are never evicted; with none to spare, an evicted
-    device block is simply forgotten."""
+    device block is simply forgotten, the tail before the prefix."""
     m = make(num_blocks=6, host_blocks=1)
     fill_and_evict(m)
-    m.add_sequence("b", toks(100, 20))  # evicts 2 (offloaded into host 0) and 1 (no host block left)
-    assert m.take_transfers() == [to_host(2, 0)]
+    m.add_sequence("b", toks(100, 20))  # evicts 2 and 1: 1 (the parent) gets host 0, 2 is forgotten
+    assert m.take_transfers() == [to_host(1, 0)]
+    hit = m.lookup(toks(0, 13))
+    assert (hit.device, hit.host) == (4, 4)  # A's block 0 on the device, its block 1 on the host
     m.check_invariants()
 
 

@@ -1,6 +1,6 @@
 """The report sections on the host tier: swap against recompute by block size (vLLM Fig. 19) and
-host_offload (prefix hits and TTFT against host capacity, Azure load, serving with recompute,
-offload and swap). Numbers are checked against hand computations, not against the code that
+host_offload (prefix hits and TTFT against host capacity, Azure load, Azure hits under a stated
+sharing model, serving with recompute, offload and swap). Numbers are checked against hand computations, not against the code that
 made them."""
 from __future__ import annotations
 
@@ -116,9 +116,11 @@ def test_ttft_model_by_hand():
 def test_offload_section_is_registered_with_its_tables(offload):
     assert SECTIONS["host_offload"] == "host_offload" and offload.key == "host_offload"
     titles = [t.title for t in offload.tables]
-    assert len(titles) == 3
+    assert len(titles) == 4
     assert titles[0].startswith("Prefix hits and modelled TTFT against host capacity (Mooncake")
-    assert titles[1].startswith("Azure conversation trace") and titles[2].startswith("Serving the first")
+    assert titles[1].startswith("Azure conversation trace")
+    assert titles[2].startswith("MODELLED, not measured: prefix hits and TTFT against host capacity on the Azure")
+    assert titles[3].startswith("Serving the first")
 
 
 def test_hits_table_rows(offload):
@@ -132,6 +134,20 @@ def test_hits_table_rows(offload):
     assert data["requests"] == host_offload.HIT_REQUESTS[True] and data["block_size"] == 128
     host_gib = [data["device_blocks"] * m * 128 * KV / 2**30 for m in host_offload.HOST_MULTIPLES]
     assert t.column("host GiB") == pytest.approx(host_gib)
+    # TTFT p50 beside p90 and the mean, per layout, as the data has them
+    for layout in ("per-layer", "1 copy/block"):
+        p50, p90 = t.column(f"TTFT p50 ms {layout}"), t.column(f"TTFT p90 ms {layout}")
+        assert all(a <= b for a, b in zip(p50, p90))
+        assert p50 == [data["by_host"][m]["ttft_ms"][layout]["p50"] for m in host_offload.HOST_MULTIPLES]
+        assert t.column(f"mean TTFT ms {layout}") == [
+            data["by_host"][m]["ttft_ms"][layout]["mean"] for m in host_offload.HOST_MULTIPLES]
+    assert any("The median" in n for n in t.notes)
+
+
+def test_percentiles_by_hand():
+    # seconds in, milliseconds out: median of 1, 2, 3, 10 ms is 2.5; p90 interpolates 3 -> 10 at 0.7
+    assert host_offload._percentiles(np.array([1e-3, 2e-3, 3e-3, 10e-3])) == pytest.approx((2.5, 7.9, 4.0))
+    assert all(math.isnan(v) for v in host_offload._percentiles(np.array([])))
 
 
 def test_published_claims_are_labelled_with_their_sources(offload):
@@ -140,18 +156,64 @@ def test_published_claims_are_labelled_with_their_sources(offload):
     assert "blog.vllm.ai" in notes and "lmsys.org/blog" in notes and "--kv_offloading_size" in notes
 
 
-def test_azure_reports_no_hit_rate(offload):
+def test_azure_reports_no_measured_hit_rate(offload):
     t = offload.tables[1]
     assert not any("hit" in c.lower() for c in t.columns)
-    assert any("cannot be measured" in n and "none is reported" in n for n in t.notes)
+    assert any("cannot be measured" in n and "no content hashes" in n and "none is reported as measured" in n
+               for n in t.notes)
     data = offload.data["azure_load"]
     rows = data["by_host"]
     assert [rows[m]["tokens"] for m in host_offload.HOST_MULTIPLES] == [
         (1 + m) * rows[0]["tokens"] for m in host_offload.HOST_MULTIPLES]
 
 
+def test_azure_modelled_hits_are_labelled_with_their_model_and_spread(offload):
+    t, data = offload.tables[2], offload.data["azure_modelled"]
+    assert data["modelled"] is True and "MODELLED, not measured" in t.title
+    notes = " ".join(t.notes)
+    assert "Modelled, not a measurement of the trace" in notes and "no content hashes" in notes
+    assert f"seed {host_offload.AZURE_SEED}" in notes and "The spread: S swept over 256, 1,024, 4,096" in notes
+    n = host_offload.AZURE_HIT_REQUESTS[True]
+    assert data["requests"] == n and data["system_prompts"] == n // host_offload.AZURE_SHARING
+    labels = [f"S {s:,}, " + ("no host" if not m else f"{m}x device")
+              for s in host_offload.AZURE_SHARED_TOKENS for m in host_offload.HOST_MULTIPLES]
+    assert t.column("S, host capacity") == labels
+    for s, rows in data["by_shared_tokens"].items():
+        assert rows[0]["host_hit_rate"] == 0 and rows[0]["loaded_bytes"] == 0
+        # a host tier never changes what the device serves
+        assert len({row["device_hit_rate"] for row in rows.values()}) == 1, s
+    assert any("MODELLED" in line and "Azure" in line for line in offload.text)
+
+
+def test_shared_prefix_prompts_by_hand():
+    from pagedkv.sim.request import Request
+
+    reqs = [Request(f"r{i}", 0.0, ((1000 + i, n),), 0) for i, n in enumerate((300, 500, 200))]
+    a = host_offload.shared_prefix_prompts(reqs, 256, 1)
+    assert [len(p) for p in a] == [300, 500, 200]  # lengths as recorded
+    assert (a[0][:256] == a[1][:256]).all() and (a[2] == a[0][:200]).all()  # one system prompt
+    assert (a[0][256:] != a[1][256:300]).any()  # then each its own
+    b = host_offload.shared_prefix_prompts(reqs, 1024, 1)
+    assert (b[1][:300] == b[0]).all()  # S beyond a prompt: the whole prompt is the shared stream
+    # one system prompt, nothing evicted: hits are the shared full blocks, never the last token
+    empty = [np.array([], dtype=np.int32)] * 3
+    rep = host_offload.replay_tiered(a, empty, 100, 0, 128)
+    assert rep.device_hit_tokens == 0 + 256 + 128  # 2 blocks of the second; 1 of the 200-token third
+    # the same draw for every S; a bad argument is refused
+    many = [Request(f"q{i}", 0.0, ((2000 + i, 64),), 0) for i in range(40)]
+    x, y = (host_offload.shared_prefix_prompts(many, s, 5) for s in (16, 32))
+    assert [p[:16].tolist() for p in x] == [p[:16].tolist() for p in y]
+    assert len({tuple(p[:16]) for p in x}) == 5
+    for bad in ((-1, 5), (16, 0), (1.5, 5), (True, 5)):
+        with pytest.raises(ValueError):
+            host_offload.shared_prefix_prompts(many, *bad)
+    for bad_reqs, seed in ((["r0"], 0), ("abc", 0), (many, -1), (many, 1.0)):
+        with pytest.raises(ValueError):
+            host_offload.shared_prefix_prompts(bad_reqs, 16, 5, seed)
+
+
 def test_serving_table_modes(offload):
-    t = offload.tables[2]
+    t = offload.tables[3]
     assert t.column("mode") == ["recompute, no host tier", "offload, per-layer", "offload, 1 copy/block",
                                 "swap, per-layer", "swap, 1 copy/block",
                                 "swap only (no offload), 1 copy/block"]

@@ -525,9 +525,21 @@ class ManagerMachine(RuleBasedStateMachine):
         cands = [(sid, i, tuple(self.model[sid][i * bs : (i + 1) * bs])) for sid, i in completed]
         evicted, host_stored = set(), []  # evicted: not on the host when the device let go
         left_device = set()
-        for ev in evs:
+        # where each hash the host publishes in these events is first published: a router drops
+        # a block whose parent it does not know (on either medium), so a parent the host is
+        # about to publish must not come after its child (one eviction batch lists the child
+        # first); a parent already known, on the device say, is enough
+        cpu_at: dict = {}
+        for k, ev in enumerate(evs):
+            if isinstance(ev, BlockStored) and ev.medium == "CPU":
+                for h in ev.block_hashes:
+                    cpu_at.setdefault(h, k)
+        for k, ev in enumerate(evs):
             if isinstance(ev, BlockStored) and ev.medium == "CPU":
                 assert self.caching and self.hb and ev.block_size == bs
+                p = ev.parent_block_hash
+                assert p in self.router or p in self.router_cpu or cpu_at.get(p, -1) < k, (
+                    "the host published a child before its parent")
                 for h, parent, blk in stored_blocks([ev]):
                     assert h not in self.router_cpu, "the host published a hash it holds"
                     assert self.chain.get((parent, blk)) == h, (
@@ -597,7 +609,10 @@ class ManagerMachine(RuleBasedStateMachine):
                 f"block {i} of {sid} is complete but was never published")
         if self.hb and self.caching and evicting and evicted:
             event("eviction forgotten: no host block to spare")
-            assert self.m.num_free_host_blocks <= host_released, (
+            # a free host block that holds a hash this call evicted from the device was held
+            # through the offload's host allocation (its copy is the only one left): not room
+            kept = len(left_device & self.router_cpu)
+            assert self.m.num_free_host_blocks <= host_released + kept, (
                 "an evicted block was not offloaded although the host had room")
         return host_stored
 

@@ -137,26 +137,55 @@ class HostTier:
     # ---- offloading --------------------------------------------------------------------------
 
     def offload(self, device_blocks: Sequence[int], hashes: Sequence[Hashable], contents: Sequence[tuple]) -> None:
-        """Write-back: the device evicted these cached blocks. Each one the host does not hold
-        yet gets a host block (evicting the host's least recently used if need be) and a
-        ``to_host`` transfer; with no host block to spare, it is simply forgotten."""
+        """Write-back: the device evicted these cached blocks (one allocation's batch). Each one
+        the host does not hold yet gets a host block (evicting the host's least recently used if
+        need be) and a ``to_host`` transfer; with no host block to spare, it is simply forgotten.
+
+        The ones the host holds already are held through the host allocation, so that it cannot
+        evict them to make room for the others: the device has just let go of them, and the
+        host's copy is the only one left. Afterwards they go back to the host's LRU as its most
+        recently used, as the blocks copied out in this batch will at the drain: a prefix the
+        device was still caching is not the host's oldest.
+        """
         cache = self._cache
         if cache is None:
             return
-        new = [(d, h, c) for d, h, c in zip(device_blocks, hashes, contents) if cache.get(h) is None]
-        self._store(new)
+        new, held = [], []
+        for d, h, c in zip(device_blocks, hashes, contents):
+            hb = cache.get(h)
+            if hb is None:
+                new.append((d, h, c))
+            else:
+                held.append(hb)
+        self._store(new, held)
 
-    def _store(self, items: list[tuple[int, Hashable, tuple]]) -> None:
-        """Copy ``(device block, hash, (parent, tokens))`` items out to fresh host blocks, as
-        many as the host can take (the first ones: an eviction lists its blocks oldest first),
-        one batch: one host allocation, one publication, one extension of the queue."""
-        n = min(len(items), self._pool.num_free)
-        if not n:
+    def _store(self, items: list[tuple[int, Hashable, tuple]], keep: list[int] | None = None) -> None:
+        """Copy ``(device block, hash, (parent, tokens))`` items out to fresh host blocks, one
+        batch: one host allocation, one publication, one extension of the queue.
+
+        Parents first: an item whose parent hash is another item's comes after it, so the host's
+        ``BlockStored`` events never name a parent the router has not been told of (a router
+        drops such a block), and consecutive chained blocks share one event. With too few host
+        blocks for all, the first ones in that order are kept: the prefixes, since a host block
+        whose parent is on neither tier can never be hit (a lookup is a prefix walk). ``keep``:
+        host blocks that the allocation must not evict (see :meth:`offload`).
+        """
+        pool = self._pool
+        room = pool.num_free - (sum(map(pool.is_cached, keep)) if keep else 0)
+        n = min(len(items), room)
+        if n > 0:
+            items = _parents_first(items)[:n]
+            host = pool.allocate(n, acquire=keep or ())  # each one reference: the transfer's pin
+        elif keep:
+            pool.acquire(keep)
+        if keep:
+            pool.release_all(keep)  # in the device's eviction order, its oldest first
+        if n <= 0:
             return
-        items = items[:n]
-        host = self._pool.allocate(n)  # each one reference: the pending transfer's pin
-        self._cache.publish_each([(hb, h, c[0], c[1]) for hb, (_, h, c) in zip(host, items)], self._bs)
-        self._pinned += host
+        self._cache.publish_chained([(hb, h, c[0], c[1]) for hb, (_, h, c) in zip(host, items)], self._bs)
+        # the drain releases pins in list order, the first as the oldest: children before their
+        # parents, so that the host evicts a chain's tail before its prefix
+        self._pinned += host[::-1]
         self._to_host += [Transfer(TO_HOST, d, hb) for hb, (d, _, _) in zip(host, items)]
         self._store_src.update(d for d, _, _ in items)
         self.to_host_count += n
@@ -267,3 +296,38 @@ class HostTier:
             raise AssertionError("load index differs from the pending loads")
         if self._store_src != {t.src for t in self._to_host}:
             raise AssertionError("store index differs from the pending stores")
+
+
+def _parents_first(items: list[tuple[int, Hashable, tuple]]) -> list[tuple[int, Hashable, tuple]]:
+    """``(block, hash, (parent, tokens))`` items reordered so that each comes after the item
+    whose hash is its parent: depth first from the items whose parent is not among them, each
+    chain unbroken (so that it can be one event), siblings and roots in their given order.
+
+    Why not sorted by position: the items come from the device's LRU, in which a sequence freed
+    tail first lies child before parent, and one batch may hold several chains. Unchanged (the
+    same list) when no item's parent is another's, as in most batches. An item on a cycle of
+    hashes (only a hash collision could make one) is appended at the end rather than lost.
+    """
+    index = {h: i for i, (_, h, _) in enumerate(items)}
+    children: dict[int, list[int]] = {}
+    roots = []
+    for i, (_, _, c) in enumerate(items):
+        p = index.get(c[0])
+        if p is None or p == i:
+            roots.append(i)
+        else:
+            children.setdefault(p, []).append(i)
+    if not children:
+        return items
+    out: list[int] = []
+    stack = roots[::-1]
+    while stack:
+        i = stack.pop()
+        out.append(i)
+        kids = children.get(i)
+        if kids:
+            stack += kids[::-1]
+    if len(out) < len(items):
+        seen = set(out)
+        out += [i for i in range(len(items)) if i not in seen]
+    return [items[i] for i in out]

@@ -8,7 +8,9 @@ so that it can file a released block as revivable and say which one it evicted. 
 * ``longest_prefix(hashes, limit)``: how many leading blocks of a prompt are already held, in
   one dict lookup per block, stopping at the first miss (chaining makes later hits impossible).
 * ``publish(...)`` (a run of blocks chained one from the next: a prompt, a prefill chunk, accepted
-  drafts) and ``publish_blocks(...)`` (unrelated single blocks: one decode step): a block whose every
+  drafts), ``publish_blocks(...)`` (unrelated single blocks: one decode step) and
+  ``publish_chained(...)`` (single blocks in parent-first order, one event per chained run: what
+  a host tier receives in one offload batch): a block whose every
   position is scheduled becomes findable by its hash. When an equal block is already mapped the
   new one is simply not published; both may coexist (block tables are append-only), and the map
   keeps the older one.
@@ -20,7 +22,7 @@ so that it can file a released block as revivable and say which one it evicted. 
 from __future__ import annotations
 
 from collections import deque
-from itertools import repeat
+from itertools import chain, repeat
 from typing import Any, Callable, Hashable, Iterable, Sequence
 
 from .eventlog import EventLog
@@ -157,6 +159,45 @@ class PrefixCache:
         if self._content is not None:
             self._content.update(zip(blocks, zip(parents, tokens)))
 
+    def publish_chained(self, entries: Sequence[tuple[int, Hashable, Hashable, Any]], block_size: int) -> None:
+        """Publish single blocks, each ``(block, hash, parent hash, its tokens)``, in the given
+        order (parents first: a router drops a block whose parent it was never told of), one
+        ``BlockStored`` per run of consecutive entries that chain one from the next: blocks a
+        host tier receives in one batch, as the device publishes a prompt's run in one event.
+        An entry whose hash is mapped already is skipped, and ends its run."""
+        m = self._map
+        blocks, hashes = [], []
+        log, content = self._log, self._content
+        raw = [] if log is not None else None
+        run_h: list = []
+        run_t: list = []
+        run_parent = None
+        for b, h, parent, tokens in entries:
+            if h in m:
+                if run_h:
+                    raw.append(_run(run_h, run_parent, run_t, block_size, self.medium))
+                    run_h, run_t = [], []
+                continue
+            m[h] = b
+            blocks.append(b)
+            hashes.append(h)
+            if content is not None:
+                content[b] = (parent, tokens)
+            if raw is not None:
+                if run_h and parent != run_h[-1]:
+                    raw.append(_run(run_h, run_parent, run_t, block_size, self.medium))
+                    run_h, run_t = [], []
+                if not run_h:
+                    run_parent = parent
+                run_h.append(h)
+                run_t.append(tokens)
+        if raw is not None and run_h:
+            raw.append(_run(run_h, run_parent, run_t, block_size, self.medium))
+        if blocks:
+            self._pool.set_keys(blocks, hashes)
+            if raw:
+                log.stored_many(raw)
+
     def _stored(self, hashes, parent, tokens, bs, i, j) -> None:
         if self._log is not None:
             if i == 0 and j == len(hashes):  # the whole run: queue the caller's slice as it is
@@ -222,3 +263,10 @@ class PrefixCache:
                 if block_hash(parent, tokens) != h:
                     raise AssertionError(f"{self.medium} block {b}: its kept tokens, chained from its "
                                          f"kept parent, do not hash to the hash it is mapped under")
+
+
+def _run(hashes: list, parent: Hashable, tokens: list, block_size: int, medium: str) -> tuple:
+    """One raw ``BlockStored`` for a chained run: its hashes, the first one's parent, every
+    block's tokens concatenated (a lone block's tokens as they are: no copy)."""
+    joined = tokens[0] if len(tokens) == 1 else tuple(chain.from_iterable(tokens))
+    return (tuple(hashes), parent, joined, block_size, medium)

@@ -17,8 +17,14 @@ the compute (they overlap it): the rule of :mod:`pagedkv.sim.tiered`. Two layout
 copies (vLLM's layout before 0.12) and one copy per block (contiguous).
 
 The Azure conversation trace has no content hashes: prefix hits cannot be measured on it and
-none is reported. It speaks to load: how many seconds of its arriving prompt KV a device pool
-and a host tier hold, and the time to first token with nothing cached.
+none is measured. It speaks to load: how many seconds of its arriving prompt KV a device pool
+and a host tier hold, and the time to first token with nothing cached. Its rows of hits and time
+to first token against host capacity are **modelled**, under a stated sharing model, and labelled
+so: each prompt keeps its recorded length and begins with one of ``requests / AZURE_SHARING``
+shared system prompts (drawn uniformly, one fixed seed, the same draw in every row), of which it
+takes its first ``min(S, length)`` tokens; the rest of the prompt and the output are its own. The
+shared-prefix length ``S`` is swept (``AZURE_SHARED_TOKENS``) to show the spread the assumption
+causes; the replay and the TTFT model are the Mooncake table's.
 
 **Serving under memory pressure.** The first requests of the Azure conversation trace, at their
 real arrival times, through the serving scheduler on a small device pool: recompute preemption
@@ -47,13 +53,15 @@ from ..tables import Section, Table
 from ..types import TO_HOST
 from .options import ReportOptions
 
-__all__ = ["section", "replay_tiered", "TierReplay", "ttft_model", "HOST_MULTIPLES", "CLAIMS"]
+__all__ = ["section", "replay_tiered", "TierReplay", "ttft_model", "shared_prefix_prompts", "HOST_MULTIPLES",
+           "AZURE_SHARED_TOKENS", "CLAIMS"]
 
 INTRO = (
     "A host tier behind the paged cache, on real traces through the real manager: prefix hits "
     "(device and host apart) and modelled time to first token against the host's capacity on the "
     "Mooncake conversation trace; what the Azure conversation trace can say (load: it has no "
-    "content); and serving under memory pressure with recompute, offload and swap preemption. "
+    "content hashes), and the same hits modelled on its lengths under a stated sharing assumption; "
+    "and serving under memory pressure with recompute, offload and swap preemption. "
     "Transfers are priced on a stated link (pagedkv.sim.tiered): loads and swap-outs make a step "
     "wait, offloads overlap its compute.")
 
@@ -66,6 +74,10 @@ REPLAY_BLOCK = 128  # block size of the Mooncake replay (see _hits_table's note)
 HIT_REQUESTS = {False: 800, True: 60}  # by opts.quick
 SERVE_REQUESTS = {False: 150, True: 24}
 AZURE_LOAD_ROWS = {False: None, True: 2_000}  # quick reads the first rows of the trace only
+AZURE_HIT_REQUESTS = {False: 1_000, True: 300}  # the modelled Azure replay, by opts.quick
+AZURE_SHARED_TOKENS = (256, 1_024, 4_096)  # the swept shared-prefix length S (the spread)
+AZURE_SHARING = 8  # requests per system prompt, on average: requests / 8 system prompts
+AZURE_SEED = 0  # the draw of each request's system prompt
 SERVE_TOKENS = 10_240  # device pool of the serving runs, in token slots
 SERVE_MAX_LEN = 8_192  # longer Azure requests are clipped (counted in the table's note)
 SERVE_HOST_MULTIPLE = 2  # SGLang HiCache's --hicache-ratio 2
@@ -227,6 +239,24 @@ def _gpu_blocks(cost: CostModel, block_bytes: int) -> int | None:
         return None
 
 
+def _device_pool(need: list[int], cost: CostModel, block_bytes: int) -> int:
+    """Device blocks of a replay whose requests need ``need`` blocks each: an H100's KV budget,
+    or 1/DEVICE_FRACTION of what the replay needs never to evict if that is less, and never
+    less than the largest request plus one."""
+    gpu = _gpu_blocks(cost, block_bytes)
+    return max(min(sum(need) // DEVICE_FRACTION, gpu or sum(need)), max(need) + 1)
+
+
+_LAYOUTS = ("per-layer", "1 copy/block")
+TTFT_COLUMNS = [f"{stat} ms {layout}" for layout in _LAYOUTS
+                for stat in ("TTFT p50", "TTFT p90", "mean TTFT")]
+
+
+def _ttft_cells(ttft: dict) -> list[float]:
+    """The TTFT columns' cells (``TTFT_COLUMNS``' order) from ``{layout: (p50, p90, mean)}``."""
+    return [v for layout in _LAYOUTS for v in ttft[layout]]
+
+
 def _hits_table(opts: ReportOptions, path: Path, cost: CostModel) -> tuple[Table, dict]:
     n = HIT_REQUESTS[opts.quick]
     requests, prompts, outputs = _mooncake_inputs(path, n)
@@ -234,8 +264,7 @@ def _hits_table(opts: ReportOptions, path: Path, cost: CostModel) -> tuple[Table
     need = [-(-r.total_len // bs) for r in requests]
     kv = kv_bytes_per_token(opts.model)
     block_bytes = bs * kv
-    gpu = _gpu_blocks(cost, block_bytes)
-    device = max(min(sum(need) // DEVICE_FRACTION, gpu or sum(need)), max(need) + 1)
+    device = _device_pool(need, cost, block_bytes)
     link = Link()
     layouts = {"per-layer": copies_per_block(opts.model), "1 copy/block": 1}
     t = Table(
@@ -243,8 +272,7 @@ def _hits_table(opts: ReportOptions, path: Path, cost: CostModel) -> tuple[Table
         f"requests, block size {bs}, device pool {device:,} blocks = "
         f"{device * block_bytes / GIB:.1f} GiB of {opts.model})",
         ["host capacity", "host GiB", "device hits %", "host hits %", "GiB loaded", "GiB offloaded",
-         "TTFT p90 ms per-layer", "mean TTFT ms per-layer", "TTFT p90 ms 1 copy/block",
-         "mean TTFT ms 1 copy/block"],
+         *TTFT_COLUMNS],
         plot={"name": "host_tier_hits", "x": "host capacity", "y": ["device hits %", "host hits %"], "kind": "bar",
               "ylabel": "% of prompt tokens served from cache"},
     )
@@ -255,8 +283,7 @@ def _hits_table(opts: ReportOptions, path: Path, cost: CostModel) -> tuple[Table
         ttft = {name: _percentiles(ttft_model(rep, cost, link, c, block_bytes)) for name, c in layouts.items()}
         label = "none" if not mult else f"{mult}x device"
         t.add(label, rep.host_blocks * block_bytes / GIB, 100 * rep.device_hit_rate, 100 * rep.host_hit_rate,
-              rep.loaded_blocks * block_bytes / GIB, rep.offloaded_blocks * block_bytes / GIB,
-              ttft["per-layer"][1], ttft["per-layer"][2], ttft["1 copy/block"][1], ttft["1 copy/block"][2])
+              rep.loaded_blocks * block_bytes / GIB, rep.offloaded_blocks * block_bytes / GIB, *_ttft_cells(ttft))
         data[mult] = {"host_blocks": rep.host_blocks, "device_hit_rate": rep.device_hit_rate,
                       "host_hit_rate": rep.host_hit_rate, "loaded_bytes": rep.loaded_blocks * block_bytes,
                       "offloaded_bytes": rep.offloaded_blocks * block_bytes, "skipped": rep.skipped,
@@ -272,13 +299,25 @@ def _hits_table(opts: ReportOptions, path: Path, cost: CostModel) -> tuple[Table
         f"Block size {bs}, not the report's: an offloaded block costs the manager Python work per "
         f"block, and the trace shares prefixes in 512-token units, so hits land on the same "
         f"512-token boundaries at any block size that divides 512.")
-    t.notes.append(
-        f"TTFT per request alone on an H100 ({cost.model}, cost model): prefill of the tokens not "
-        f"hit + loads from the host + offloads beyond the prefill; link {link.describe()}; a block "
-        f"is {layouts['per-layer']} copies per-layer or 1 contiguous. No queueing: the serving table "
-        f"below has it. Most requests hit nothing, so the median is the cold prefill in every row.")
+    t.notes.append(_ttft_note(cost, link, layouts, data))
     t.notes += [f"Published, theirs and not ours: {c}" for c in CLAIMS]
     return t, {"requests": len(requests), "block_size": bs, "device_blocks": device, "by_host": data}
+
+
+def _ttft_note(cost: CostModel, link: Link, layouts: dict, by_row: dict) -> str:
+    """The TTFT model, stated, and what the medians do across the rows (read from them)."""
+    first, last = by_row[min(by_row)]["ttft_ms"], by_row[max(by_row)]["ttft_ms"]
+    same = all(len({round(row["ttft_ms"][layout]["p50"], 1) for row in by_row.values()}) == 1
+               for layout in layouts)
+    median = ("The median is the same in every row: the median request's TTFT does not move with "
+              "the host tier." if same else
+              "The median goes from " + " and ".join(
+                  f"{first[layout]['p50']:.1f} to {last[layout]['p50']:.1f} ms ({layout})"
+                  for layout in layouts) + " between the first and the last row.")
+    return (f"TTFT per request alone on an H100 ({cost.model}, cost model): prefill of the tokens "
+            f"not hit + loads from the host + offloads beyond the prefill; link {link.describe()}; a "
+            f"block is {layouts['per-layer']} copies per-layer or 1 contiguous. No queueing: the "
+            f"serving table below has it. {median}")
 
 
 def _azure_load_table(opts: ReportOptions, path: Path, cost: CostModel, device_tokens: int) -> tuple[Table, dict]:
@@ -308,12 +347,100 @@ def _azure_load_table(opts: ReportOptions, path: Path, cost: CostModel, device_t
         f"({mean_rate * kv / GIB:.2f} and {peak_rate * kv / GIB:.2f} GiB/s of {opts.model} KV): a "
         f"prefix must come back within these seconds to hit, roughly (LRU).")
     t.notes.append(
-        "Prefix hits cannot be measured on this trace: it records arrival times and lengths only, "
-        "so every prompt is replayed as content of its own and any hit rate would be an artefact; "
-        f"none is reported. Cold TTFT (prefill alone, nothing cached, no queueing): p50 {p50:.1f} ms, "
-        f"p90 {p90:.1f} ms, mean {mean:.1f} ms.")
+        "Prefix hits cannot be measured on this trace: it has no content hashes (it records arrival "
+        "times and lengths only), so replayed as recorded every prompt is content of its own and a "
+        "hit rate would be an artefact; none is reported as measured. The next table models hits "
+        f"under a stated sharing assumption. Cold TTFT (prefill alone, nothing cached, no queueing): "
+        f"p50 {p50:.1f} ms, p90 {p90:.1f} ms, mean {mean:.1f} ms.")
     return t, {"requests": len(reqs), "prompt_tokens_per_s": mean_rate, "peak_minute_tokens_per_s": peak_rate,
                "cold_ttft_ms": {"p50": p50, "p90": p90, "mean": mean}, "by_host": data}
+
+
+def shared_prefix_prompts(requests: list[Request], shared_tokens: int, num_prompts: int,
+                          seed: int = AZURE_SEED) -> list[np.ndarray]:
+    """The modelled prompts of a trace without content: each keeps its recorded length and
+    begins with the first ``min(shared_tokens, length)`` tokens of one of ``num_prompts`` shared
+    system prompts (drawn uniformly with ``seed``: the same draw for every ``shared_tokens``, so
+    that a sweep of it changes nothing else); the rest is the request's own content.
+
+    Example: a 1,000-token prompt with ``shared_tokens=256`` is 256 tokens of its system prompt,
+    then 744 of its own; with 4,096 it is the first 1,000 tokens of its system prompt.
+    """
+    if isinstance(requests, (str, bytes)) or not all(isinstance(r, Request) for r in requests):
+        raise ValueError("requests must be a sequence of Request")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    if not isinstance(shared_tokens, int) or isinstance(shared_tokens, bool) or shared_tokens < 0:
+        raise ValueError(f"shared_tokens must be an int >= 0, got {shared_tokens!r}")
+    if not isinstance(num_prompts, int) or isinstance(num_prompts, bool) or num_prompts < 1:
+        raise ValueError(f"num_prompts must be an int >= 1, got {num_prompts!r}")
+    pick = np.random.default_rng(seed).integers(0, num_prompts, len(requests))
+    out = []
+    for r, k in zip(requests, pick.tolist()):
+        s = min(shared_tokens, r.prompt_len)
+        system = segment_tokens(content_key("system", "host-offload#azure", k), s)
+        own = segment_tokens(r.segments[0][0], r.prompt_len - s)  # the request's unique stream
+        out.append(np.concatenate([system, own]))
+    return out
+
+
+def _azure_hits_table(opts: ReportOptions, path: Path, cost: CostModel) -> tuple[Table, dict]:
+    requests = load_azure_csv(path, limit=AZURE_HIT_REQUESTS[opts.quick])
+    bs = REPLAY_BLOCK
+    need = [-(-r.total_len // bs) for r in requests]
+    block_bytes = bs * kv_bytes_per_token(opts.model)
+    device = _device_pool(need, cost, block_bytes)
+    num_prompts = max(1, len(requests) // AZURE_SHARING)
+    outputs = [segment_tokens(content_key("unique", "host-offload#azure-output", i), r.output_len)
+               for i, r in enumerate(requests)]
+    link = Link()
+    layouts = {"per-layer": copies_per_block(opts.model), "1 copy/block": 1}
+    t = Table(
+        f"MODELLED, not measured: prefix hits and TTFT against host capacity on the Azure "
+        f"conversation trace's lengths (first {len(requests):,} requests), each prompt opening with "
+        f"one of {num_prompts:,} shared system prompts of S tokens (block size {bs}, device pool "
+        f"{device:,} blocks = {device * block_bytes / GIB:.1f} GiB of {opts.model})",
+        ["S, host capacity", "device hits %", "host hits %", "GiB loaded", *TTFT_COLUMNS],
+    )
+    data = {}
+    k, runs = 0, len(AZURE_SHARED_TOKENS) * len(HOST_MULTIPLES)
+    for shared in AZURE_SHARED_TOKENS:
+        prompts = shared_prefix_prompts(requests, shared, num_prompts)
+        rows = {}
+        for mult in HOST_MULTIPLES:
+            k += 1
+            opts.note(f"{KEY}: modelled Azure replay {k}/{runs} (S {shared:,}, host {mult}x)")
+            rep = replay_tiered(prompts, outputs, device, mult * device, bs)
+            ttft = {name: _percentiles(ttft_model(rep, cost, link, c, block_bytes)) for name, c in layouts.items()}
+            t.add(f"S {shared:,}, " + ("no host" if not mult else f"{mult}x device"), 100 * rep.device_hit_rate,
+                  100 * rep.host_hit_rate, rep.loaded_blocks * block_bytes / GIB, *_ttft_cells(ttft))
+            rows[mult] = {"host_blocks": rep.host_blocks, "device_hit_rate": rep.device_hit_rate,
+                          "host_hit_rate": rep.host_hit_rate, "loaded_bytes": rep.loaded_blocks * block_bytes,
+                          "skipped": rep.skipped,
+                          "ttft_ms": {name: dict(zip(("p50", "p90", "mean"), v)) for name, v in ttft.items()}}
+        data[shared] = rows
+    lengths = np.array([r.prompt_len for r in requests])
+    q25, q50, q99 = np.percentile(lengths, [25, 50, 99])
+    top = max(HOST_MULTIPLES)
+    host_top = [data[s][top]["host_hit_rate"] for s in AZURE_SHARED_TOKENS]
+    all_hits = [row["device_hit_rate"] + row["host_hit_rate"] for rows in data.values() for row in rows.values()]
+    t.notes.append(
+        "Modelled, not a measurement of the trace: the Azure trace has no content hashes, so every hit "
+        "here comes from the stated sharing model and changes with it. Model: each request keeps its "
+        f"recorded prompt and output lengths; its prompt opens with the first min(S, length) tokens "
+        f"of one of {num_prompts:,} shared system prompts (one per {AZURE_SHARING} requests on "
+        f"average; each request's drawn uniformly, seed {AZURE_SEED}, the same draw in every row); "
+        f"the rest of the prompt and the output are its own. Fewer system prompts would stay on the "
+        f"device (the host adds nothing); many more would rarely repeat (nothing to hit).")
+    t.notes.append(
+        f"The spread: S swept over {', '.join(f'{s:,}' for s in AZURE_SHARED_TOKENS)} tokens (the "
+        f"replayed prompts' lengths: p25 {q25:,.0f}, median {q50:,.0f}, p99 {q99:,.0f}); hits of "
+        f"prompt tokens range from {100 * min(all_hits):.1f}% to {100 * max(all_hits):.1f}% over the "
+        f"rows, and a host tier {top}x the device pool serves {100 * min(host_top):.1f}% to "
+        f"{100 * max(host_top):.1f}% of prompt tokens, depending on S alone. Replay, device pool rule, hits and "
+        f"TTFT as in the Mooncake table.")
+    return t, {"modelled": True, "requests": len(requests), "block_size": bs, "device_blocks": device,
+               "system_prompts": num_prompts, "seed": AZURE_SEED, "by_shared_tokens": data}
 
 
 # ---- (c) serving under memory pressure ----------------------------------------------------------
@@ -400,13 +527,16 @@ def section(opts: ReportOptions) -> Section:
         sec.data["mooncake"] = hits_data
         device_tokens = hits_data["device_blocks"] * hits_data["block_size"]
     if azure is None:
-        sec.text.append("Azure conversation trace not found: its load table and the serving table "
-                        "are skipped.")
+        sec.text.append("Azure conversation trace not found: its load table, its modelled hits "
+                        "table and the serving table are skipped.")
     else:
         if device_tokens is not None:
             load, load_data = _azure_load_table(opts, azure, cost, device_tokens)
             sec.tables.append(load)
             sec.data["azure_load"] = load_data
+        modelled, modelled_data = _azure_hits_table(opts, azure, cost)
+        sec.tables.append(modelled)
+        sec.data["azure_modelled"] = modelled_data
         serve, serve_data = _serve_table(opts, azure, cost)
         sec.tables.append(serve)
         sec.data["serving"] = serve_data
@@ -431,6 +561,16 @@ def _summary(data: dict) -> list[str]:
             f"{top['ttft_ms']['1 copy/block']['mean']:.0f} ms with one copy per block, "
             f"{none['ttft_ms']['per-layer']['mean']:.0f} -> {top['ttft_ms']['per-layer']['mean']:.0f} ms "
             f"with per-layer copies.")
+    modelled = data.get("azure_modelled")
+    if modelled:
+        top = max(HOST_MULTIPLES)
+        parts = [f"S = {s:,}: {100 * rows[0]['device_hit_rate']:.1f}% on the device, +"
+                 f"{100 * rows[top]['host_hit_rate']:.1f}% from a {top}x host tier"
+                 for s, rows in modelled["by_shared_tokens"].items()]
+        out.append(
+            f"Azure conversation, MODELLED (no content hashes in the trace; {modelled['system_prompts']:,} "
+            f"shared system prompts of S tokens assumed, first {modelled['requests']:,} requests): "
+            + "; ".join(parts) + ".")
     serving = data.get("serving")
     if serving:
         rec = serving["recompute, no host tier"]
