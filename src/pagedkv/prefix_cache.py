@@ -129,14 +129,6 @@ class PrefixCache:
         """``(parent hash, tokens)`` of a mapped block (only with ``keep_content``)."""
         return self._content[block]
 
-    def publish_each(self, entries: Iterable[tuple[int, Hashable, Hashable, Any]], block_size: int) -> None:
-        """Publish unrelated single blocks, each ``(block, hash, parent hash, its tokens)``, in
-        the given order (see :meth:`publish_blocks`)."""
-        entries = list(entries)
-        if entries:
-            blocks, hashes, parents, tokens = map(list, zip(*entries))
-            self.publish_blocks(blocks, hashes, parents, tokens, block_size)
-
     def publish_blocks(self, blocks: list, hashes: list, parents: list, tokens: list, block_size: int) -> None:
         """Publish unrelated single blocks given as columns: block ``blocks[i]`` holds
         ``tokens[i]`` and hashes to ``hashes[i]``, chained from ``parents[i]``. This is what one
