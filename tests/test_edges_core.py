@@ -239,3 +239,224 @@ def test_host_load_admission_takes_the_freed_source_as_fresh():
     loads = [t for t in m.take_transfers() if t.direction == "to_device"]
     assert len(loads) == 1 and loads[0].dst != copy.src
     assert m.block_table("r") == [loads[0].dst, copy.src]
+
+
+# ---------------------------------------------------------------- the rules, under random calls
+
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule  # noqa: E402
+
+TOK = st.integers(0, 1)  # two token ids: equal blocks (twins) are common
+
+
+class EdgeMachine(RuleBasedStateMachine):
+    """Random admissions (whole or chunked), appends, drafts, batches, forks, aborts and steps on
+    a small pool with a two-token alphabet. Models of its own:
+
+    * a **slot store**: each step's writes (the slots the calls returned, with their tokens) and
+      copies, applied at the step's end in the engine's order (copies, then writes); a sequence
+      dropped with ``free(cache=False)`` never writes. At each step's end every prefix hit a
+      prompt would get (probed on a pickled clone) must read blocks whose slots hold the
+      prompt's tokens.
+    * **findability**: after every call, each live sequence's full scheduled non-draft blocks are
+      a prefix that ``lookup`` finds in full.
+    * **capacity**: before every append, the free blocks, the freed pending-copy sources (read on
+      a pickled clone's ``take_copies``) and the fresh blocks and copies the call needs; the call
+      raises OutOfBlocks exactly when a brute-force search finds no assignment (copy
+      destinations outside the freed sources), with ``available`` the blocks its shape can use.
+    * **aborts**: ``free(cache=False)`` leaves the written prefix (hits, or a fork's inherited
+      full blocks) findable and none of the blocks it computed alone.
+    """
+
+    @initialize(num_blocks=st.integers(3, 10), caching=st.booleans(),
+                algo=st.sampled_from(["builtin", "sha256"]))
+    def setup(self, num_blocks, caching, algo):
+        self.m = KVCacheManager(num_blocks, block_size=BS, enable_prefix_caching=caching, hash_algo=algo)
+        self.caching = caching
+        self.store: dict[int, list] = {}  # block -> its slots' tokens (None: never written)
+        self.pending: list[tuple] = []  # (slot, token, seq id): this step's writes
+        self.written: dict = {}  # seq id -> its written prefix in blocks (the test's own count)
+        self.next_id = 0
+        self.counts = {"oob": 0, "twins": 0, "aborts": 0}
+
+    # ---- helpers
+
+    def ids(self, ready=True):
+        m = self.m
+        return [s for s in m.seq_ids() if not ready or (m.num_computed(s) == m.num_tokens(s) and not m.num_drafts(s))]
+
+    def write(self, sid, slots, tokens):
+        self.pending += [(int(sl), t, sid) for sl, t in zip(slots, tokens)]
+
+    def pending_sources(self):
+        return {c.src for c in pickle.loads(pickle.dumps(self.m)).take_copies()}
+
+    def free_blocks(self):
+        return [b for b in range(self.m.num_blocks) if self.m.refcount(b) == 0]
+
+    def check_capacity(self, call, fresh, copies):
+        """Run ``call``; it must fail exactly when no assignment exists."""
+        free = self.free_blocks()
+        srcs = set(free) & self.pending_sources()
+        exists = any(len(free) - copies >= fresh
+                     for dsts in itertools.combinations(free, copies) if not srcs & set(dsts))
+        try:
+            out = call()
+        except OutOfBlocks as e:
+            self.counts["oob"] += 1
+            assert not exists, f"OutOfBlocks({e.needed}, {e.available}) though an assignment exists"
+            assert (e.needed, e.available) == (fresh + copies, min(len(free), fresh + len(free) - len(srcs)))
+            return None
+        assert exists
+        return out
+
+    def needs(self, sid, k):
+        """Fresh blocks and copies of appending k tokens to sid."""
+        m, n = self.m, self.m.num_computed(sid)
+        fresh = -(-(n + k) // BS) - -(-n // BS)
+        copies = 1 if n % BS and m.refcount(m.block_table(sid)[-1]) > 1 else 0
+        return fresh, copies
+
+    # ---- rules
+
+    @rule(prompt=st.lists(TOK, min_size=1, max_size=13), chunk=st.none() | st.integers(0, 13))
+    def admit(self, prompt, chunk):
+        sid = f"s{self.next_id}"
+        self.next_id += 1
+        try:
+            hit = self.m.add_sequence(sid, prompt, prefill=chunk)
+        except OutOfBlocks:
+            return
+        self.written[sid] = hit // BS
+        self.write(sid, self.m.slots(sid, hit), prompt[hit: self.m.num_computed(sid)])
+
+    @rule(data=st.data())
+    def prefill(self, data):
+        m = self.m
+        todo = [s for s in m.seq_ids() if m.num_computed(s) < m.num_tokens(s)]
+        if todo:
+            sid = data.draw(st.sampled_from(todo))
+            start = m.num_computed(sid)
+            n = data.draw(st.integers(1, m.num_tokens(sid) - start))
+            try:
+                slots = m.prefill(sid, n)
+            except OutOfBlocks:
+                return
+            self.write(sid, slots, m.tokens(sid)[start:start + n])
+
+    @rule(data=st.data(), toks=st.lists(TOK, min_size=1, max_size=6), spec=st.booleans())
+    def append(self, data, toks, spec):
+        m = self.m
+        ok = [s for s in m.seq_ids() if m.num_computed(s) == m.num_tokens(s) and (spec or not m.num_drafts(s))]
+        if ok:
+            sid = data.draw(st.sampled_from(ok))
+            if len(toks) == 1 and not spec:
+                call = lambda: [m.append_token(sid, toks[0])]  # noqa: E731
+            else:
+                call = lambda: m.append_tokens(sid, toks, speculative=spec)  # noqa: E731
+            slots = self.check_capacity(call, *self.needs(sid, len(toks)))
+            if slots is not None:
+                self.write(sid, slots, toks)
+
+    @rule(data=st.data())
+    def accept(self, data):
+        with_drafts = [s for s in self.m.seq_ids() if self.m.num_drafts(s)]
+        if with_drafts:
+            sid = data.draw(st.sampled_from(with_drafts))
+            self.m.accept(sid, data.draw(st.integers(0, self.m.num_drafts(sid))))
+
+    @rule(data=st.data())
+    def batch(self, data):
+        m, ready = self.m, self.ids()
+        if len(ready) < 2:
+            return
+        ids = data.draw(st.lists(st.sampled_from(ready), min_size=2, max_size=len(ready), unique=True))
+        toks = data.draw(st.lists(TOK, min_size=len(ids), max_size=len(ids)))
+        fresh, sharers = 0, {}
+        for s in ids:
+            n = m.num_computed(s)
+            if not n % BS:
+                fresh += 1
+            elif m.refcount(m.block_table(s)[-1]) > 1:
+                b = m.block_table(s)[-1]
+                sharers[b] = sharers.get(b, 0) + 1
+        copies = sum(min(k, m.refcount(b) - 1) for b, k in sharers.items())
+        slots = self.check_capacity(lambda: m.append_batch(ids, toks), fresh, copies)
+        if slots is not None:
+            for s, sl, t in zip(ids, slots, toks):
+                self.write(s, [sl], [t])
+
+    @rule(data=st.data())
+    def fork(self, data):
+        busy = {p[2] for p in self.pending}
+        ok = [s for s in self.ids() if s not in busy]  # fork after the parent's step wrote
+        if ok:
+            parent = data.draw(st.sampled_from(ok))
+            child = f"s{self.next_id}"
+            self.next_id += 1
+            self.m.fork(parent, child)
+            self.written[child] = self.m.num_computed(parent) // BS
+
+    @rule(data=st.data(), cache=st.booleans())
+    def free(self, data, cache):
+        m = self.m
+        busy = {p[2] for p in self.pending}
+        if cache:  # a finished sequence: its step ran
+            ok = [s for s in m.seq_ids() if s not in busy]
+        else:  # dropped before its step: legal when nobody shares a block it writes this step
+            ok = [s for s in m.seq_ids()
+                  if all(m.refcount(sl // BS) == 1 for sl, _, q in self.pending if q == s)]
+        if not ok:
+            return
+        sid = data.draw(st.sampled_from(ok))
+        tokens, table, w = m.tokens(sid), m.block_table(sid), self.written.pop(sid)
+        full = (m.num_computed(sid) - m.num_drafts(sid)) // BS
+        own_alone = {b for b in table[w:] if m.refcount(b) == 1}
+        m.free(sid, cache=cache)
+        self.pending = [p for p in self.pending if p[2] != sid]
+        if not cache and self.caching:
+            self.counts["aborts"] += 1
+            assert findable(m, tokens[: w * BS]) >= w  # the written prefix stays
+            probe = pickle.loads(pickle.dumps(m))
+            hit = probe.add_sequence("probe", tokens[: full * BS] + [9], prefill=0)
+            assert not own_alone & set(probe.block_table("probe")[: hit // BS])
+
+    @rule()
+    def step(self):
+        """The step runs: copies, then the scheduled writes."""
+        for c in self.m.take_copies():
+            self.store[c.dst] = list(self.store.get(c.src, [None] * BS))
+        for slot, tok, _ in self.pending:
+            self.store.setdefault(slot // BS, [None] * BS)[slot % BS] = tok
+        self.pending = []
+        self.check_hits([self.m.tokens(s) for s in self.m.seq_ids()])
+
+    @rule(prompt=st.lists(TOK, min_size=1, max_size=13))
+    def probe(self, prompt):
+        if not self.pending:
+            self.check_hits([prompt])
+
+    def check_hits(self, prompts):
+        """Every hit block holds, slot by slot, the tokens of the prompt that hits it."""
+        if not self.caching:
+            return
+        clone = pickle.loads(pickle.dumps(self.m))
+        for i, p in enumerate(prompts):
+            hit = clone.add_sequence(("probe", i), list(p) + [9], prefill=0)
+            for j, b in enumerate(clone.block_table(("probe", i))[: hit // BS]):
+                assert self.store.get(b) == list(p[j * BS:(j + 1) * BS]), f"block {b} serves other K/V"
+
+    @invariant()
+    def every_full_block_findable(self):
+        if not hasattr(self, "m"):
+            return
+        self.m.check_invariants()
+        if self.caching:
+            for s in self.m.seq_ids():
+                m = self.m
+                full = (m.num_computed(s) - m.num_drafts(s)) // BS
+                assert findable(m, m.tokens(s)[: full * BS]) >= full, f"{s}: a full block is unfindable"
+
+
+EdgeMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow])
+TestEdgeMachine = EdgeMachine.TestCase

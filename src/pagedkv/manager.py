@@ -166,13 +166,16 @@ class KVCacheManager:
     * **Speculate** with ``append_tokens(id, drafts, speculative=True)`` and settle with
       ``accept(id, k)``: drafts are never published; rejected ones return their blocks.
     * **Free** with ``free(id)``; ``free(id, cache=False)`` for a sequence dropped after it was
-      scheduled but before its K/V was computed (nothing it alone holds stays findable).
+      scheduled but before its K/V was computed (what it computed itself and alone holds stops
+      being findable; its prefix hits stay cached).
     * **Out of blocks**: every allocating call raises ``OutOfBlocks(needed, available)`` and
       changes nothing; preempt and call again.
 
     A block is published (findable by later prompts) only once every one of its positions has
     been scheduled for compute, and never for a draft token: the engine computes everything it
-    scheduled in the step it scheduled it, so a hit always reads K/V that exists.
+    scheduled in the step it scheduled it, so a hit always reads K/V that exists. Every such
+    block of a live sequence stays findable (itself, or an equal block: a twin takes over a
+    hash whose block leaves the map).
 
     Errors: an unknown sequence id is a ``KeyError``; a duplicate id, an empty prompt, an
     unhashable id, a bad token or any other bad argument is a ``ValueError``. A failing call
