@@ -276,7 +276,8 @@ class EdgeMachine(RuleBasedStateMachine):
         self.pending: list[tuple] = []  # (slot, token, seq id): this step's writes
         self.written: dict = {}  # seq id -> its written prefix in blocks (the test's own count)
         self.next_id = 0
-        self.counts = {"oob": 0, "twins": 0, "aborts": 0}
+        self.prompts: list[list[int]] = []  # recent prompts, whose prefixes later ones reuse
+        self.counts = {"oob": 0, "aborts": 0}
 
     # ---- helpers
 
@@ -318,8 +319,12 @@ class EdgeMachine(RuleBasedStateMachine):
 
     # ---- rules
 
-    @rule(prompt=st.lists(TOK, min_size=1, max_size=13), chunk=st.none() | st.integers(0, 13))
-    def admit(self, prompt, chunk):
+    @rule(prompt=st.lists(TOK, min_size=1, max_size=13), chunk=st.none() | st.integers(0, 13),
+          reuse=st.integers(0, 3))
+    def admit(self, prompt, chunk, reuse):
+        if reuse and self.prompts:  # a recent prompt's first blocks, then its own: hits
+            prompt = self.prompts[-reuse % len(self.prompts)][: reuse * BS] + prompt
+        self.prompts = self.prompts[-7:] + [prompt]
         sid = f"s{self.next_id}"
         self.next_id += 1
         try:
@@ -457,6 +462,6 @@ class EdgeMachine(RuleBasedStateMachine):
                 assert findable(m, m.tokens(s)[: full * BS]) >= full, f"{s}: a full block is unfindable"
 
 
-EdgeMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None,
+EdgeMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
 TestEdgeMachine = EdgeMachine.TestCase

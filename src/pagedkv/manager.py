@@ -940,7 +940,7 @@ class KVCacheManager:
         self._unready += 1
         self._swapped += 1
         if self._cache is not None and self._cache.has_twins:
-            self._cache.forget_twins(released)
+            self._cache.forget_twins(released)  # (all private: their last reference goes)
         self._pool.release_all(released[::-1])
 
     def _block_hashes(self, s: _Seq, indices: Sequence[int]) -> tuple[list, list]:
@@ -1067,7 +1067,7 @@ class KVCacheManager:
             tier.drop_loads_into(unloaded)
         prefix = self._cache
         if prefix is not None and prefix.has_twins:  # a twin going back clean is no twin
-            prefix.forget_twins([b for b in table if refcount(b) == 1])
+            prefix.forget_twins([b for b in prefix.twins_among(table) if refcount(b) == 1])
         if prefix is not None and (unloaded or not cache):
             # a dropped load never fills its block: like unwritten K/V, it must not stay findable
             mine = unloaded

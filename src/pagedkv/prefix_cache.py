@@ -150,6 +150,11 @@ class PrefixCache:
         """A copy of the twin -> hash map (for checks and tests)."""
         return dict(self._twin_hash)
 
+    def twins_among(self, blocks: Iterable[int]) -> list[int]:
+        """The blocks of ``blocks`` that are twins (one C-level pass: a freed table is long, its
+        twins few)."""
+        return list(filter(self._twin_hash.__contains__, blocks))
+
     def forget_twins(self, blocks: Iterable[int]) -> None:
         """Their owner is releasing the last reference to ``blocks``: a twin among them no
         longer holds anything worth a hash (it goes back clean) and must never be promoted."""
