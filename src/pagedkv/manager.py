@@ -32,7 +32,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence as SequenceABC
 from itertools import chain
 from operator import itemgetter
-from typing import Any, Hashable, Iterable, Sequence
+from typing import Any, Collection, Hashable, Iterable, Sequence
 
 import numpy as np
 
@@ -68,12 +68,17 @@ class _Seq:
     touches them. ``hashes`` holds the chained hashes of every full block of the non-draft
     tokens (for a prompt mid-prefill, also of blocks not yet scheduled: they are published as
     chunks schedule them).
+
+    ``written``: how many leading blocks held K/V computed before this sequence was scheduled
+    (its prefix hits, device and host; for a fork, the full blocks it shared with its parent,
+    whose step wrote them). ``free(id, cache=False)`` unpublishes only the blocks after them.
     """
 
-    __slots__ = ("table", "tokens", "hashes", "root", "mirror", "nxt", "unscheduled", "drafts", "host")
+    __slots__ = ("table", "tokens", "hashes", "root", "mirror", "nxt", "unscheduled", "drafts", "host",
+                 "written")
 
     def __init__(self, table: list, tokens: array, hashes: list, root: Hashable, mirror=None,
-                 nxt: int = -1, unscheduled: int = 0) -> None:
+                 nxt: int = -1, unscheduled: int = 0, written: int = 0) -> None:
         self.table = table
         self.tokens = tokens
         self.hashes = hashes
@@ -92,6 +97,7 @@ class _Seq:
         # Swapped out: logical block index -> host block, for the blocks moved to the host tier
         # (their table entries are -1 meanwhile). None while the sequence is on the device.
         self.host: dict[int, int] | None = None
+        self.written = written
 
     @property
     def computed(self) -> int:
@@ -160,13 +166,16 @@ class KVCacheManager:
     * **Speculate** with ``append_tokens(id, drafts, speculative=True)`` and settle with
       ``accept(id, k)``: drafts are never published; rejected ones return their blocks.
     * **Free** with ``free(id)``; ``free(id, cache=False)`` for a sequence dropped after it was
-      scheduled but before its K/V was computed (nothing it alone holds stays findable).
+      scheduled but before its K/V was computed (what it computed itself and alone holds stops
+      being findable; its prefix hits stay cached).
     * **Out of blocks**: every allocating call raises ``OutOfBlocks(needed, available)`` and
       changes nothing; preempt and call again.
 
     A block is published (findable by later prompts) only once every one of its positions has
     been scheduled for compute, and never for a draft token: the engine computes everything it
-    scheduled in the step it scheduled it, so a hit always reads K/V that exists.
+    scheduled in the step it scheduled it, so a hit always reads K/V that exists. Every such
+    block of a live sequence stays findable (itself, or an equal block: a twin takes over a
+    hash whose block leaves the map).
 
     Errors: an unknown sequence id is a ``KeyError``; a duplicate id, an empty prompt, an
     unhashable id, a bad token or any other bad argument is a ``ValueError``. A failing call
@@ -214,7 +223,7 @@ class KVCacheManager:
         self._pool = BlockPool(num_blocks, check_args=False)
         self._log = EventLog(enable_events and enable_prefix_caching)
         tiered = host_blocks > 0
-        self._cache = (PrefixCache(self._pool, self._log, "GPU", keep_content=tiered)
+        self._cache = (PrefixCache(self._pool, self._log, "GPU", keep_content=tiered, track_twins=True)
                        if enable_prefix_caching else None)
         # The host tier, when asked for: offloads what the device evicts, serves prefix hits
         # from host memory, holds swapped-out sequences. None costs the hot paths nothing.
@@ -472,12 +481,15 @@ class KVCacheManager:
         need = -(-computed // bs) - len(hits)
         if loads:
             table = hits + self._admit_with_loads(hits, loads, need, seq_id)
+        elif self._copy_src:
+            self._check_room(need, 0, f"admitting {seq_id!r}", hits)
+            table = hits + self._take(need, 0, hits)[1]
         else:
             try:
                 table = hits + self._pool.allocate(need, acquire=hits)
             except OutOfBlocks as e:
                 raise OutOfBlocks(e.needed, e.available, f"admitting {seq_id!r}") from None
-        s = _Seq(table, tokens, hashes, root, unscheduled=n - computed)
+        s = _Seq(table, tokens, hashes, root, unscheduled=n - computed, written=len(hits) + len(loads))
         if cache is not None:
             self._publish_run(s, len(hits), computed // bs)
             cache.record_query(n, hit)
@@ -506,10 +518,14 @@ class KVCacheManager:
         start = len(s.tokens) - rest
         stop = start + n
         need = -(-stop // bs) - len(s.table)
-        try:
-            s.add_blocks(self._pool.allocate(need))
-        except OutOfBlocks as e:
-            raise OutOfBlocks(e.needed, e.available, f"prefilling {seq_id!r}") from None
+        if self._copy_src:
+            self._check_room(need, 0, f"prefilling {seq_id!r}")
+            s.add_blocks(self._take(need, 0)[1])
+        else:
+            try:
+                s.add_blocks(self._pool.allocate(need))
+            except OutOfBlocks as e:
+                raise OutOfBlocks(e.needed, e.available, f"prefilling {seq_id!r}") from None
         s.unscheduled = rest - n
         if self._cache is not None:
             self._publish_run(s, start // bs, stop // bs)
@@ -530,20 +546,12 @@ class KVCacheManager:
         destinations for ``to_device`` transfers (never a block a pending copy still reads),
         then fresh blocks; atomic. Host blocks are pinned first, so that offloads the device
         allocation causes cannot evict them from the host."""
-        pool, j = self._pool, len(loads)
-        available = pool.num_free - pool.count_cached(hits)
-        if self._copy_src:
-            available -= pool.count_free(self._copy_src)
-        if need > available:
-            raise OutOfBlocks(need, available, f"admitting {seq_id!r}")
+        j = len(loads)
+        self._check_room(need - j, j, f"admitting {seq_id!r}", hits)
         self._tier.pin(loads)
-        if self._copy_src:
-            pool.acquire(hits)
-            new = [pool.allocate_one_avoiding(self._copy_src) for _ in range(j)]
-            new += pool.allocate(need - j)
-        else:
-            new = pool.allocate(need, acquire=hits)
-        self._tier.queue_loads(loads, new[:j])
+        dst, fresh = self._take(need - j, j, hits)
+        new = dst + fresh
+        self._tier.queue_loads(loads, dst)
         self._tier.hit_tokens += j * self._bs
         return new
 
@@ -617,7 +625,7 @@ class KVCacheManager:
         fresh = -(-(n + k) // bs) - -(-n // bs)
         copies = 1 if n % bs and self._pool.refcount(s.table[-1]) > 1 else 0
         if fresh + copies:
-            self._check_capacity(fresh, copies, f"appending to {seq_id!r}")
+            self._check_room(fresh, copies, f"appending to {seq_id!r}")
         if speculative:
             if not s.drafts:
                 self._unready += 1
@@ -702,7 +710,7 @@ class KVCacheManager:
                     raise ValueError(self._not_ready(sid, s, "append to"))
         if self._pool.num_free < n or self._copy_src:  # only then can the batch fail: count
             fresh, copies = self._blocks_for_step(ss)
-            self._check_capacity(fresh, copies, "a decode step")
+            self._check_room(fresh, copies, "a decode step")
         bs = self._bs
         slow = self._slot_slow
         out = []
@@ -760,7 +768,7 @@ class KVCacheManager:
             if self._pool.refcount(b) > 1:
                 b = self._copy_on_write(s, b)
         else:
-            b = self._pool.allocate_one()
+            b = self._take(1, 0)[1][0] if self._copy_src else self._pool.allocate_one()
             s.add_block(b)
         return b * bs + off
 
@@ -785,15 +793,52 @@ class KVCacheManager:
                 fresh += 1
         return fresh, sum(min(k, refcount(b) - 1) for b, k in sharers.items())
 
-    def _check_capacity(self, fresh: int, copies: int, what: str) -> None:
-        """Raise OutOfBlocks unless ``fresh`` new blocks and ``copies`` copy destinations can
-        be taken. A freed block that a pending copy still reads cannot be a copy destination,
-        so when the call copies, such blocks do not count as available."""
-        available = self._pool.num_free
-        if copies and self._copy_src:
-            available -= self._pool.count_free(self._copy_src)
-        if fresh + copies > available:
-            raise OutOfBlocks(fresh + copies, available, what)
+    # ---- the one allocation rule around pending copies ------------------------------------
+    #
+    # A call takes two kinds of device blocks. ``fresh`` blocks are written by this step's K/V,
+    # after the copies run; ``avoiding`` blocks are written before them: copy-on-write
+    # destinations, and host loads (transfers run before copies). A freed block that a pending
+    # copy still reads must keep its bytes until the copies run, so it may be a fresh block but
+    # never an avoiding one. With F free blocks of which S are such freed copy sources, a call
+    # can be served exactly when fresh + avoiding <= F and avoiding <= F - S; it is, whatever
+    # order the call takes its blocks in, because every fresh block takes a freed source while
+    # one is left (``_take``). Example: free blocks {0, 3}, a copy reads 0, a call needs one
+    # fresh block and one copy: the copy takes 3, the fresh position 0.
+
+    def _freed_copy_sources(self, revived: Collection[int] = ()) -> list[int]:
+        """Free blocks a pending copy still reads (none of ``revived``: hits about to be taken)."""
+        free = self._pool.is_free
+        return [b for b in self._copy_src if free(b) and b not in revived]
+
+    def _check_room(self, fresh: int, avoiding: int, what: str, acquire: Sequence[int] = ()) -> None:
+        """Raise OutOfBlocks (changing nothing) unless ``_take(fresh, avoiding, acquire)`` can
+        be served. ``available`` is ``min(F, fresh + F - S)``, the blocks this call's shape can
+        use, so that releasing ``needed - available`` ordinary blocks always makes it fit."""
+        pool = self._pool
+        free = pool.num_free - (pool.count_cached(acquire) if acquire else 0)
+        available = free
+        if avoiding and self._copy_src:
+            usable = free - len(self._freed_copy_sources(set(acquire) if acquire else ()))
+            available = min(free, fresh + usable)
+        if fresh + avoiding > available:
+            raise OutOfBlocks(fresh + avoiding, available, what)
+
+    def _take(self, fresh: int, avoiding: int, acquire: Sequence[int] = ()) -> tuple[list[int], list[int]]:
+        """``(avoiding blocks, fresh blocks)``, after one more reference to each of ``acquire``
+        (prefix hits). Fresh blocks take the freed copy sources first. Call it after
+        ``_check_room`` (or for one block, whose failure changes nothing)."""
+        pool = self._pool
+        if acquire:
+            pool.acquire(acquire)
+        reads = self._copy_src
+        if not reads:
+            new = pool.allocate(avoiding + fresh)
+            return new[:avoiding], new[avoiding:]
+        dst = [pool.allocate_one_avoiding(reads) for _ in range(avoiding)]
+        sources = self._freed_copy_sources()[:fresh]
+        if sources:
+            pool.claim(sources)
+        return dst, sources + pool.allocate(fresh - len(sources))
 
     def _copy_on_write(self, s: _Seq, old: int) -> int:
         """Give ``s`` a private copy of its shared partial last block; returns the new block.
@@ -805,7 +850,7 @@ class KVCacheManager:
         pool = self._pool
         if self._copy_src:
             try:
-                new = pool.allocate_one_avoiding(self._copy_src)
+                new = self._take(0, 1)[0][0]
             except OutOfBlocks:
                 raise OutOfBlocks(1, 0, "a copy-on-write destination") from None
         else:
@@ -894,6 +939,8 @@ class KVCacheManager:
         s.nxt = -1
         self._unready += 1
         self._swapped += 1
+        if self._cache is not None and self._cache.has_twins:
+            self._cache.forget_twins(released)  # (all private: their last reference goes)
         self._pool.release_all(released[::-1])
 
     def _block_hashes(self, s: _Seq, indices: Sequence[int]) -> tuple[list, list]:
@@ -929,16 +976,9 @@ class KVCacheManager:
                     if d is not None:
                         revive[i] = d
         loads = [i for i in order if i not in revive]
-        available = pool.num_free - pool.count_cached(revive.values())
-        if self._copy_src:
-            available -= pool.count_free(self._copy_src)
-        if len(loads) > available:
-            raise OutOfBlocks(len(loads), available, f"swapping in {seq_id!r}")
-        pool.acquire(list(revive.values()))
-        if self._copy_src:
-            new = [pool.allocate_one_avoiding(self._copy_src) for _ in loads]
-        else:
-            new = pool.allocate(len(loads))
+        revived = list(revive.values())
+        self._check_room(0, len(loads), f"swapping in {seq_id!r}", revived)
+        new = self._take(0, len(loads), revived)[0]
         for i, d in revive.items():
             s.table[i] = d
         for i, d in zip(loads, new):
@@ -949,8 +989,8 @@ class KVCacheManager:
         self._unready -= 1
         self._swapped -= 1
         if cache is not None:  # loaded full blocks are findable again, once their K/V is back
-            for i in loads:
-                if i < nfull and cache.get(s.hashes[i]) is None:
+            for i in loads:  # (a hash mapped meanwhile makes the block its twin)
+                if i < nfull:
                     self._publish_run(s, i, i + 1)
         n = s.computed
         if n % bs and pool.refcount(s.table[-1]) == 1:
@@ -984,19 +1024,27 @@ class KVCacheManager:
         self._pool.incref_all(p.table)
         p.nxt = -1  # the partial last block, if any, is shared now: the next write decides
         mirror = None if p.mirror is None else p.mirror.copy()
-        self._seqs[child_id] = _Seq(p.table.copy(), p.tokens[:], p.hashes.copy(), p.root, mirror)
+        # the parent's step wrote every block it shares: the child's full ones count as written
+        self._seqs[child_id] = _Seq(p.table.copy(), p.tokens[:], p.hashes.copy(), p.root, mirror,
+                                    written=p.computed // self._bs)
         self._forks += 1
 
     def free(self, seq_id: Hashable, *, cache: bool = True) -> None:
         """Release every block of the sequence, tail first (so its prefix is evicted last).
 
         ``cache=False`` is for a sequence whose K/V was never (fully) written, such as a request
-        dropped after it was scheduled but before its step ran: the blocks it alone holds are
-        unpublished and return clean, so no later prompt can hit content that was never
-        computed. Blocks another sequence still holds keep their hashes. Either way, a block it
-        alone holds whose host-tier load is still pending (a host hit or a ``swap_in`` of this
-        step) loses its load and its device hash: its K/V never arrives, and the host copy stays
-        findable on the host.
+        dropped after it was scheduled but before its step ran (vLLM's abort). The blocks it was
+        scheduled to compute itself lose their hashes and return clean, so no later prompt can
+        hit content that was never computed: every block after its **written prefix**, which is
+        its prefix hits at admission (device hits and host hits: an earlier request computed
+        them) or, for a fork, the full blocks it shared with its parent at the fork (the
+        parent's step wrote them). The written prefix keeps its hashes, as do blocks another
+        sequence still holds. Example (block size 4): a 17-token prompt whose first 8 tokens
+        hit, dropped unrun -> blocks 0 and 1 stay findable (revivable), blocks 2 and 3 are
+        unpublished, block 4 (partial) was never published. Either way, a block it alone holds
+        whose host-tier load is still pending (a host hit or a ``swap_in`` of this step) loses
+        its load and its device hash: its K/V never arrives, and the host copy stays findable
+        on the host.
         """
         if not isinstance(cache, bool):
             raise ValueError(f"cache must be a bool, got {cache!r}")
@@ -1017,10 +1065,16 @@ class KVCacheManager:
         if tier is not None and tier.has_pending():
             unloaded = [b for b in table if tier.is_load_destination(b) and refcount(b) == 1]
             tier.drop_loads_into(unloaded)
-        if self._cache is not None and (unloaded or not cache):
+        prefix = self._cache
+        if prefix is not None and prefix.has_twins:  # a twin going back clean is no twin
+            prefix.forget_twins([b for b in prefix.twins_among(table) if refcount(b) == 1])
+        if prefix is not None and (unloaded or not cache):
             # a dropped load never fills its block: like unwritten K/V, it must not stay findable
-            mine = unloaded if cache else [b for b in table if refcount(b) == 1]
-            self._cache.unpublish(mine)
+            mine = unloaded
+            if not cache:  # and the blocks after the written prefix, which it computed itself
+                mine = mine + [b for b in s.table[s.written :]
+                               if b >= 0 and refcount(b) == 1 and b not in unloaded]
+            prefix.unpublish(mine)
             if self._write_through:
                 tier.forget_published(mine)
         self._pool.release_all(table[::-1])
@@ -1165,6 +1219,7 @@ class KVCacheManager:
             _require(n >= 1, f"sequence {sid!r} is empty")
             _require(0 <= s.unscheduled <= n and 0 <= s.drafts <= done, f"sequence {sid!r}: bad counters")
             _require(not (s.unscheduled and s.drafts), f"sequence {sid!r}: drafts mid-prefill")
+            _require(0 <= s.written <= (done - s.drafts) // bs, f"sequence {sid!r}: bad written prefix")
             unready += bool(s.unscheduled or s.drafts or s.host is not None)
             if s.host is not None:
                 swapped += 1
@@ -1218,6 +1273,8 @@ class KVCacheManager:
             _require(not keys, "blocks carry keys with prefix caching off")
             return
         cache.check_invariants(self._rehash)
+        twins = cache.twins()
+        held_twins = {}
         for sid, s in self._seqs.items():
             nfull = (len(s.tokens) - s.drafts) // bs
             data = _le_bytes(s.tokens[: nfull * bs])
@@ -1230,8 +1287,12 @@ class KVCacheManager:
                 k = keys.get(b)
                 if i >= offered:
                     _require(k is None, f"block {b} of {sid!r} is published before it is scheduled")
+                elif k is None:  # findable all the same: a twin of the block its hash maps
+                    _require(twins.get(b) == expect[i], f"full block {b} of {sid!r} is not findable")
+                    held_twins[b] = expect[i]
                 else:
-                    _require(k is None or k == expect[i], f"block {b} of {sid!r} is mapped under another content's hash")
+                    _require(k == expect[i], f"block {b} of {sid!r} is mapped under another content's hash")
+        _require(held_twins == twins, "a remembered twin is no live full block of that content")
 
 
 def _token_array(token_ids: Any) -> array:

@@ -17,8 +17,9 @@ a used block costs one 8-byte list slot of refcount (plus a dict entry while it 
 
 The batch operations are the ones an allocator's hot paths need, so that a caller never has to
 reach into the pool: :meth:`allocate` (n blocks, optionally after acquiring prefix hits, atomic),
-:meth:`allocate_one` (the per-token path), :meth:`acquire` (prefix hits, reviving cached-free
-blocks), :meth:`incref_all` (a fork), :meth:`release_all` (a freed table, tail first) and
+:meth:`allocate_one` (the per-token path), :meth:`allocate_one_avoiding` and :meth:`claim` (an
+owner's choice of which free blocks serve which use), :meth:`acquire` (prefix hits, reviving
+cached-free blocks), :meth:`incref_all` (a fork), :meth:`release_all` (a freed table, tail first) and
 :meth:`set_keys` / :meth:`drop_keys` (publishing and unpublishing). Each validates its arguments
 and either succeeds completely or changes nothing.
 
@@ -230,6 +231,38 @@ class BlockPool:
                 self._lru.move_to_end(b, last=False)  # make it the one _evict_one takes
                 return self._evict_one()
         raise OutOfBlocks(1, 0)
+
+    def claim(self, blocks: Sequence[int]) -> None:
+        """Take these free blocks, each with refcount 1: a clean one off the clean stack, a
+        cached-free one evicted (its key dropped, the owner told, as for any eviction).
+
+        For an owner that knows which free blocks suit a use best: the manager hands a freed
+        block that a pending copy still reads to a position this step writes after the copies
+        run, keeping the other free blocks for copy destinations. All or nothing: ValueError
+        (nothing changed) unless the blocks are distinct, free, and were handed out before.
+        """
+        rc, lru, clean = self._rc, self._lru, self._clean
+        for b in blocks:
+            if type(b) is not int or not 0 <= b < len(rc) or rc[b]:
+                b = self._check_id(b)
+                raise ValueError(f"block {b} is not a freed block (in use, or never handed out)")
+        if len(set(blocks)) != len(blocks):
+            raise ValueError("a block appears twice among the blocks to claim")
+        evicted = []
+        for b in blocks:
+            if b in lru:
+                del lru[b]
+                evicted.append(b)
+            else:  # freed recently, so near the top of the clean stack: search from there
+                for i in range(len(clean) - 1, -1, -1):
+                    if clean[i] == b:
+                        del clean[i]
+                        break
+            rc[b] = 1
+        if evicted:
+            self._evicted_keys = list(map(self._keys.pop, evicted))
+            self.evictions += len(evicted)
+            self._notify(list(blocks), evicted)
 
     def _take(self, n: int) -> list[int]:
         """Allocation without checks; the caller has made sure ``n <= num_free``."""

@@ -12,8 +12,11 @@ so that it can file a released block as revivable and say which one it evicted. 
   ``publish_chained(...)`` (single blocks in parent-first order, one event per chained run: what
   a host tier receives in one offload batch): a block whose every
   position is scheduled becomes findable by its hash. When an equal block is already mapped the
-  new one is simply not published; both may coexist (block tables are append-only), and the map
-  keeps the older one.
+  new one is not published; both may coexist (block tables are append-only), and the map keeps
+  the older one. With ``track_twins`` the new one is remembered as a **twin** of the hash: when
+  the mapped block leaves the map (evicted, or unpublished), a live twin takes its place, so a
+  full block held by a sequence never becomes unfindable because an equal block went.
+  ``forget_twins(blocks)``: the owner's last reference to these blocks is going.
 * ``unpublish(blocks)``: forget blocks whose K/V will never be written.
 * events (``BlockStored`` / ``BlockRemoved``, tagged with this cache's ``medium``), each carrying
   hashes, written to the manager's :class:`~pagedkv.eventlog.EventLog` so that an external router
@@ -37,12 +40,18 @@ _consume = deque(maxlen=0).extend
 class PrefixCache:
     """Maps full-block hashes to physical blocks held (in use or cached-free) by ``pool``."""
 
-    __slots__ = ("_pool", "_map", "_log", "_content", "medium", "query_tokens", "hit_tokens")
+    __slots__ = ("_pool", "_map", "_log", "_content", "medium", "query_tokens", "hit_tokens",
+                 "_twins", "_twin_hash")
 
     def __init__(self, pool: BlockPool, log: EventLog | None = None, medium: str = "GPU",
-                 keep_content: bool = False) -> None:
+                 keep_content: bool = False, track_twins: bool = False) -> None:
         self._pool = pool
         self._map: dict[Hashable, int] = {}
+        # Twins (with track_twins): in-use blocks holding a mapped hash's content that were not
+        # published because the map held an equal block already. hash -> those blocks, and
+        # block -> its hash. Empty in the common case, which then costs one truth test.
+        self._twins: dict[Hashable, list[int]] | None = {} if track_twins else None
+        self._twin_hash: dict[int, Hashable] = {}
         # block -> (parent hash, its tokens) for every mapped block, kept only when another tier
         # needs to republish a block it receives (a BlockStored names the parent and tokens).
         self._content: dict[int, tuple] | None = {} if keep_content else None
@@ -110,6 +119,8 @@ class PrefixCache:
                 self._keep(blocks, hashes, parent, tokens, block_size, range(len(blocks)))
             return
         new = [i for i, (b, k) in enumerate(zip(blocks, held)) if b == k]
+        if self._twins is not None:
+            self._add_twins(blocks, hashes, held)
         self._pool.set_keys([blocks[i] for i in new], [hashes[i] for i in new])
         run_start = prev = -2
         for i in new + [-1]:  # one event per run of consecutive new blocks
@@ -120,6 +131,64 @@ class PrefixCache:
             prev = i
         if self._content is not None:
             self._keep(blocks, hashes, parent, tokens, block_size, new)
+
+    def _add_twins(self, blocks: Sequence[int], hashes: Sequence[Hashable], held: Sequence[int]) -> None:
+        """Remember the blocks that were not published because ``held`` (the map's block for
+        their hash) is another block."""
+        twins, twin_hash = self._twins, self._twin_hash
+        for b, h, k in zip(blocks, hashes, held):
+            if b != k and b not in twin_hash:
+                twins.setdefault(h, []).append(b)
+                twin_hash[b] = h
+
+    @property
+    def has_twins(self) -> bool:
+        """Whether any twin is remembered (see the module docstring)."""
+        return bool(self._twin_hash)
+
+    def twins(self) -> dict[int, Hashable]:
+        """A copy of the twin -> hash map (for checks and tests)."""
+        return dict(self._twin_hash)
+
+    def twins_among(self, blocks: Iterable[int]) -> list[int]:
+        """The blocks of ``blocks`` that are twins (one C-level pass: a freed table is long, its
+        twins few)."""
+        return list(filter(self._twin_hash.__contains__, blocks))
+
+    def forget_twins(self, blocks: Iterable[int]) -> None:
+        """Their owner is releasing the last reference to ``blocks``: a twin among them no
+        longer holds anything worth a hash (it goes back clean) and must never be promoted."""
+        twin_hash, twins = self._twin_hash, self._twins
+        for b in blocks:
+            h = twin_hash.pop(b, None)
+            if h is not None:
+                rest = twins[h]
+                rest.remove(b)
+                if not rest:
+                    del twins[h]
+
+    def _promote_twins(self, gone: Sequence[int], hashes: Sequence[Hashable], contents: list | None) -> set:
+        """Hashes ``hashes`` just left the map (their blocks ``gone``, with ``contents`` when
+        kept): for each one that has a live twin, the twin becomes its block. Returns the
+        hashes that stay mapped, for which no ``BlockRemoved`` is due: a router keeps hashes,
+        not blocks, and the hash is held all along. Example: block 5 maps [0, 0, 1, 1]'s hash,
+        block 9 (live in another table) is its twin; 5 is evicted -> the hash maps 9."""
+        twins, twin_hash, m = self._twins, self._twin_hash, self._map
+        kept = set()
+        for i, h in enumerate(hashes):
+            rest = twins.get(h)
+            if rest is None:
+                continue
+            b = rest.pop()
+            if not rest:
+                del twins[h]
+            del twin_hash[b]
+            m[h] = b
+            self._pool.set_keys((b,), (h,))
+            if contents is not None:
+                self._content[b] = contents[i]
+            kept.add(h)
+        return kept
 
     def _keep(self, blocks, hashes, parent, tokens, bs, indices) -> None:
         for i in indices:
@@ -140,6 +209,8 @@ class PrefixCache:
         """
         held = list(map(self._map.setdefault, hashes, blocks))
         if held != blocks:  # some hashes were mapped already: publish only the new ones
+            if self._twins is not None:
+                self._add_twins(blocks, hashes, held)
             new = [i for i, (b, k) in enumerate(zip(blocks, held)) if b == k]
             if not new:
                 return
@@ -201,12 +272,17 @@ class PrefixCache:
     def unpublish(self, blocks: Sequence[int]) -> None:
         """Forget the hashes of in-use ``blocks`` (their content cannot be trusted); blocks that
         carry no hash are skipped. One ``BlockRemoved`` event names them. Once released, the
-        blocks go back clean."""
-        if self._content is not None:
-            for b in blocks:
-                self._content.pop(b, None)
+        blocks go back clean. A hash with a live twin (see the module docstring) maps the twin
+        instead and is not named: the twin's K/V was computed by its own sequence."""
         hashes = self._pool.drop_keys(blocks)
-        _consume(map(self._map.__delitem__, hashes))
+        gone = list(map(self._map.pop, hashes))
+        contents = None
+        if self._content is not None:
+            contents = [self._content.pop(b) for b in gone]
+        if self._twins:
+            kept = self._promote_twins(gone, hashes, contents)
+            if kept:
+                hashes = [h for h in hashes if h not in kept]
         if self._log is not None and hashes:
             self._log.removed(hashes, self.medium)
 
@@ -216,17 +292,26 @@ class PrefixCache:
         host tier offloading what is evicted) calls it in turn, and gets the blocks'
         ``(parent, tokens)`` back when the cache keeps content."""
         _consume(map(self._map.__delitem__, keys))
-        if self._log is not None:
-            self._log.removed(keys, self.medium)
+        contents = None
         if self._content is not None:
-            return [self._content.pop(b) for b in blocks]
-        return None
+            contents = [self._content.pop(b) for b in blocks]
+        removed = keys
+        if self._twins:
+            kept = self._promote_twins(blocks, keys, contents)
+            if kept:
+                removed = [h for h in keys if h not in kept]
+        if self._log is not None and removed:
+            self._log.removed(removed, self.medium)
+        return contents
 
     def clear(self) -> None:
         """Forget every hash (the pool must hold no block in use: see the manager's reset).
         The caller records the ``AllBlocksCleared`` event (one for every tier)."""
         self._pool.clear_cached()
         self._map.clear()
+        if self._twins:  # the caller holds no block in use, so no twin is left; to be safe
+            self._twins.clear()
+            self._twin_hash.clear()
         if self._content is not None:
             self._content.clear()
 
@@ -249,6 +334,13 @@ class PrefixCache:
         for h, b in self._map.items():
             if keys.get(b) != h:
                 raise AssertionError(f"hash maps to block {b}, whose key differs")
+        if self._twins is not None:
+            listed = [(b, h) for h, bs in self._twins.items() for b in bs]
+            if sorted(listed, key=lambda e: e[0]) != sorted(self._twin_hash.items(), key=lambda e: e[0]):
+                raise AssertionError("the twin lists and the twin index differ")
+            for b, h in listed:
+                if h not in self._map or b in keys or not self._pool.refcount(b):
+                    raise AssertionError(f"twin {b}: free, published, or its hash is not mapped")
         if block_hash is not None and self._content is not None:
             for h, b in self._map.items():
                 parent, tokens = self._content[b]
