@@ -41,6 +41,7 @@ from . import (
     check_int,
     check_model,
     check_number,
+    emit,
     reports_errors,
 )
 
@@ -259,5 +260,5 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     num_blocks, cost = _memory(args)
     reqs, what, notes = _requests(args)
-    print(_table(args, num_blocks, cost, reqs, what, notes).to_text())
+    emit(_table(args, num_blocks, cost, reqs, what, notes).to_text())
     return 0
