@@ -184,7 +184,9 @@ def _trace(args: argparse.Namespace) -> tuple[Path, str]:
 
 
 def _requests(args: argparse.Namespace, path: Path, num_blocks: int) -> list:
-    """The requests, clipped to ``--max-len``, refused when one cannot fit a replica's cache."""
+    """The requests clipped to ``--max-len`` (the replicas would clip them; the routers see what
+    the replicas serve, so a precise router never hashes tokens no replica can hold), refused
+    when one cannot fit a replica's cache."""
     from ..sim.fleet import ReplicaAllocator
     from ..sim.scheduler import check_fits, clip_request
     from ..sim.traces import load_trace
@@ -193,10 +195,11 @@ def _requests(args: argparse.Namespace, path: Path, num_blocks: int) -> list:
     if not reqs:
         raise UsageError(f"{path}: no requests to route")
     if args.num_requests is not None and len(reqs) < args.num_requests:
-        print(f"pagedkv fleet: --num-requests {args.num_requests:,}: the trace has {len(reqs):,} requests; "
-              "routing all of them", file=sys.stderr)
-    check_fits([clip_request(r, args.max_len) for r in reqs], ReplicaAllocator(num_blocks, args.block_size),
-               args.max_len)
+        default = " (the default)" if args.num_requests == DEFAULT_REQUESTS else ""
+        print(f"pagedkv fleet: --num-requests {args.num_requests:,}{default}: the trace has only {len(reqs):,} "
+              f"request{'s' if len(reqs) != 1 else ''}; routing all of them", file=sys.stderr)
+    reqs = [clip_request(r, args.max_len) for r in reqs]
+    check_fits(reqs, ReplicaAllocator(num_blocks, args.block_size), args.max_len)
     return reqs
 
 

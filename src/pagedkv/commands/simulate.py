@@ -202,8 +202,9 @@ def _requests(args: argparse.Namespace) -> tuple[list, str, list[str]]:
     else:
         raw = load_workload(src, args.num_requests, args.seed, rate=rate, n=args.n, beam_width=args.beam_width)
         if len(raw) < args.num_requests:
-            print(f"pagedkv simulate: --num-requests {args.num_requests:,}: {src.name} has {len(raw):,} requests; "
-                  "serving all of them", file=sys.stderr)
+            default = " (the default)" if args.num_requests == 500 else ""
+            print(f"pagedkv simulate: --num-requests {args.num_requests:,}{default}: {src.name} has only "
+                  f"{len(raw):,} request{'s' if len(raw) != 1 else ''}; serving all of them", file=sys.stderr)
         reqs, rejected, stopped = fit_to_model(raw, args.max_len)
         if rejected or stopped:
             notes.append(f"of {len(raw):,} trace requests, {rejected:,} have a prompt of --max-len "

@@ -148,6 +148,10 @@ def _capacity_table(args: argparse.Namespace, spec, s) -> Table | None:
         t.add("GPU memory (GiB)", float(args.gpu_mem_gib))
         t.add("utilisation", float(args.util))
         t.add("weights (GiB)", float(weights))
+    if cap.num_blocks < 1:
+        flag = f"--kv-gib {args.kv_gib:g}" if args.kv_gib is not None else f"--gpu-mem-gib {args.gpu_mem_gib:g}"
+        raise UsageError(f"{flag} leaves {cap.kv_budget_bytes:,.0f} bytes of KV budget: not one block "
+                         f"({s.bytes_per_block:,} bytes of {spec.name} KV at block size {args.block_size})")
     t.add("KV budget (GiB)", cap.kv_budget_bytes / GIB)
     t.add("blocks", cap.num_blocks)
     t.add("token slots", cap.token_slots)

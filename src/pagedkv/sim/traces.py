@@ -231,7 +231,12 @@ def _records(p: Path, start: int, limit: int | None, skip_header: bool) -> Itera
         raise TraceFormatError(f"{p}: no requests in the trace (the file is empty)")
 
 
-def _int_field(value: object, name: str, lo: int, where: str) -> int:
+# A token count past 2**31 - 1 is no request (positions and slots are int32 everywhere); a
+# larger one in a trace is a corrupt line, and would overflow numpy's int64 token arithmetic.
+MAX_TRACE_TOKENS = (1 << 31) - 1
+
+
+def _int_field(value: object, name: str, lo: int, where: str, hi: int | None = MAX_TRACE_TOKENS) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         if isinstance(value, float) and value.is_integer():
             value = int(value)
@@ -239,6 +244,8 @@ def _int_field(value: object, name: str, lo: int, where: str) -> int:
             raise TraceFormatError(f"{where}: {name} must be an integer, got {value!r}")
     if value < lo:
         raise TraceFormatError(f"{where}: {name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise TraceFormatError(f"{where}: {name} must be at most {hi:,} tokens, got {value:,}")
     return value
 
 
@@ -353,7 +360,7 @@ def _mooncake_record(line: str, where: str, block: int) -> tuple[int | float, in
     ids = rec["hash_ids"]
     if not isinstance(ids, list):
         raise TraceFormatError(f"{where}: hash_ids must be a list, got {type(ids).__name__}")
-    ids = [_int_field(h, "hash_ids[]", 0, where) for h in ids]
+    ids = [_int_field(h, "hash_ids[]", 0, where, hi=None) for h in ids]
     if any(h >= 1 << 32 for h in ids):
         raise TraceFormatError(f"{where}: hash_ids must be < 2**32")
     want = -(-n_in // block)
