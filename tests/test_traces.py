@@ -24,6 +24,7 @@ from pagedkv.sim.traces import (
     load_mooncake_jsonl,
     load_trace,
     mooncake_hash_ids,
+    mooncake_segments,
     trace_path,
     trace_stem,
 )
@@ -199,12 +200,20 @@ def test_mooncake_hits_in_the_manager(tmp_path):
     assert hits == [0, 1024, 512, 0]
 
 
-def test_mooncake_fewer_ids_get_a_unique_suffix(tmp_path):
-    recs = [{"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [0]},
-            {"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [0]}]
-    a, b = load_mooncake_jsonl(mooncake_file(tmp_path, recs))
-    assert [n for _, n in a.segments] == [512, 488]
-    assert a.segments[0] == b.segments[0] and a.segments[1][0] != b.segments[1][0]
+def test_mooncake_line_with_fewer_ids_is_an_error_naming_it(tmp_path):
+    """ceil(1000 / 512) = 2 ids are due; one would leave 488 tokens that can never hit."""
+    recs = [MOONCAKE[0], {"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [0]}]
+    with pytest.raises(TraceFormatError, match=r":2: 1 hash_ids for 1000 tokens; .* ceil\(1000/512\) = 2"):
+        load_mooncake_jsonl(mooncake_file(tmp_path, recs))
+    with pytest.raises(TraceFormatError, match=":2: 1 hash_ids"):
+        mooncake_hash_ids(mooncake_file(tmp_path, recs))
+
+
+def test_mooncake_segments_give_fewer_ids_a_unique_suffix():
+    a = mooncake_segments(1000, [0], "t", 0)
+    b = mooncake_segments(1000, [0], "t", 1)
+    assert [n for _, n in a] == [512, 488]
+    assert a[0] == b[0] and a[1][0] != b[1][0]
 
 
 def test_mooncake_namespaces_and_key_kinds(tmp_path):

@@ -2,8 +2,9 @@
 
 Each subcommand lives in :mod:`pagedkv.commands` as ``add_arguments(parser)`` and ``run(args)``;
 this module only wires them to argparse. Every usage error, argparse's own included, is one line
-on stderr and exit status 2; Ctrl-C is one line and exit status 130 (128 + SIGINT, the shell's
-convention).
+on stderr and exit status 2; a result that cannot be written (a full disk, an I/O error, stdout
+on ``/dev/full``) is one line and exit status 1; Ctrl-C is one line and exit status 130 (128 +
+SIGINT, the shell's convention). A closed pipe (``pagedkv report | head``) ends quietly with 0.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import os
 import sys
 
 from . import __version__
-from .commands import USAGE_EXIT, one_line
+from .commands import USAGE_EXIT, WRITE_FAILED_EXIT, one_line
 from .tables import plain
 
 COMMANDS = {
@@ -55,15 +56,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
-        return int(args._run(args) or 0)
+        parser = build_parser()
+        argv = sys.argv[1:] if argv is None else list(argv)
+        if argv[:1] == ["--version"] and len(argv) > 1:
+            # argparse would print the version and drop the rest of the line without a word
+            parser.error(f"--version takes no arguments, got {' '.join(argv[1:])!r}")
+        args = parser.parse_args(argv)
+        code = int(args._run(args) or 0)
+        if code == WRITE_FAILED_EXIT:  # said so in one line already: do not fail a second time at exit
+            _silence_stdout()
+        sys.stdout.flush()  # a stdout that cannot take the output fails here, not at exit
+        return code
     except KeyboardInterrupt:
         print("pagedkv: interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT
     except BrokenPipeError:  # `pagedkv report | head` is fine
-        # Point stdout at devnull so that the interpreter's final flush does not raise again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _silence_stdout()
         return 0
+    except OSError as e:  # a write the commands did not route through their own checks
+        what = f"{e.filename}: {e.strerror or e}" if e.filename else f"standard output: cannot write ({e.strerror or e})"
+        print(f"pagedkv: error: {one_line(what)}", file=sys.stderr)
+        if not e.filename:
+            _silence_stdout()
+        return WRITE_FAILED_EXIT
+
+
+def _silence_stdout() -> None:
+    """Point stdout at devnull so that the interpreter's final flush does not raise again (what
+    the failed write left in the buffer is dropped)."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # no real file descriptor (a test's captured stdout)
+        pass
 
 
 if __name__ == "__main__":

@@ -6,13 +6,22 @@ any work is done. :func:`reports_errors` turns a ``ValueError`` raised by ``run`
 :class:`UsageError` from the checks below, or a library ``ValueError`` such as a malformed trace)
 into that line; the helpers below check the values the library would otherwise reject under its
 own parameter names.
+
+A write that fails after the checks passed (a full disk, an I/O error, ``/dev/full``) is not a
+usage error: the work was done and its result could not be kept. It ends with one line, ``pagedkv
+CMD: error: --json FILE: cannot write (No space left on device); nothing was written``, and exit
+status 1 (:data:`WRITE_FAILED_EXIT`). Files are written whole or not at all
+(:func:`write_text_atomically`: a temporary file in the same directory, renamed over the target
+once complete), so a failed write never leaves a truncated JSON that reads as a finished run.
 """
 from __future__ import annotations
 
 import functools
 import math
 import os
+import stat
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -26,13 +35,23 @@ __all__ = [
     "check_data_dir",
     "check_model",
     "one_line",
+    "OutputError",
+    "write_text_atomically",
+    "write_files_atomically",
+    "emit",
+    "WRITE_FAILED_EXIT",
 ]
 
 USAGE_EXIT = 2  # argparse's exit status for a usage error; every subcommand uses it
+WRITE_FAILED_EXIT = 1  # the work ran, its output could not be written (disk full, I/O error)
 
 
 class UsageError(ValueError):
     """A command-line value the command cannot use; the message names the flag."""
+
+
+class OutputError(Exception):
+    """Writing a result failed after the work was done; the message names the file and the cause."""
 
 
 def one_line(message: object) -> str:
@@ -50,8 +69,89 @@ def reports_errors(command: str) -> Callable:
             except ValueError as e:
                 print(f"pagedkv {command}: error: {one_line(e)}", file=sys.stderr)
                 return USAGE_EXIT
+            except OutputError as e:
+                print(f"pagedkv {command}: error: {one_line(e)}", file=sys.stderr)
+                return WRITE_FAILED_EXIT
         return guarded
     return wrap
+
+
+def emit(text: str) -> None:
+    """Print ``text`` (and a newline) on stdout and flush it now, so that a stdout that cannot
+    take it (``pagedkv report > /dev/full``) is an :class:`OutputError` here rather than an
+    exception at the interpreter's exit. A closed pipe (``| head``) stays a ``BrokenPipeError``,
+    which the command line treats as a normal end."""
+    try:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise OutputError(f"standard output: cannot write ({e.strerror or e})") from None
+
+
+def _default_mode() -> int:
+    """The mode ``open(path, "w")`` would give a new file: 0o666 less the umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def write_text_atomically(flag: str, path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all; an :class:`OutputError` naming ``flag``
+    and ``path`` when the disk refuses.
+
+    A regular file (or a new one) is written to a temporary file in its directory, flushed to
+    disk and renamed over ``path``: a reader sees the old file or the complete new one, never a
+    prefix, and a failure leaves the old file as it was. A path that is not a regular file (a
+    device such as ``/dev/full``, a pipe, ``/dev/stdout``) cannot be replaced and is written in
+    place. The rename keeps the old file's permission bits (a new one gets 0o666 less the umask).
+    """
+    target = Path(os.path.realpath(path))  # a symlink's target is what gets replaced, not the link
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise OutputError(f"{flag} {path}: cannot write ({e.strerror or e})") from None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        try:
+            with open(target, "w") as f:
+                f.write(text)
+        except OSError as e:
+            raise OutputError(f"{flag} {path}: cannot write ({e.strerror or e})") from None
+        return
+    write_files_atomically(flag, target.parent, {target.name: text.encode()},
+                           mode=stat.S_IMODE(st.st_mode) if st is not None else None, shown=path)
+
+
+def write_files_atomically(flag: str, directory: Path, files: dict[str, bytes], *, mode: int | None = None,
+                           shown: Path | None = None) -> list[Path]:
+    """Write each ``name: content`` of ``files`` into ``directory``, every one to a temporary file
+    first; rename them into place only once all are complete. A failure removes the temporary
+    files and raises :class:`OutputError`: nothing new appears and no old file is touched.
+    Returns the paths written, in the order given."""
+    temps: list[str] = []
+    try:
+        for name, data in files.items():
+            fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+            temps.append(tmp)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, _default_mode() if mode is None else mode)
+        for name, tmp in zip(files, temps):
+            os.replace(tmp, Path(directory) / name)
+    except OSError as e:
+        for tmp in temps:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        where = shown if shown is not None else directory
+        raise OutputError(f"{flag} {where}: cannot write ({e.strerror or e}); nothing was written") from None
+    return [Path(directory) / name for name in files]
 
 
 def check_int(flag: str, value: int, lo: int, hi: int | None = None, why: str = "") -> None:

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from ..tables import TEXT_WIDTH
-from . import check_out_file, reports_errors
+from . import check_out_file, emit, reports_errors, write_text_atomically
 
 
 def environment() -> dict:
@@ -138,11 +138,10 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     rows = gather(args.quick)
     elapsed = time.perf_counter() - t0
-    print()
-    print(table(rows))
-    print(f"\n{len(rows)} rows in {elapsed:.1f} s{' (--quick)' if args.quick else ''}; "
-          "ratio = median / target (<= 1 meets the target of docs/design.md)")
+    emit("\n" + table(rows) + f"\n\n{len(rows)} rows in {elapsed:.1f} s{' (--quick)' if args.quick else ''}; "
+         "ratio = median / target (<= 1 meets the target of docs/design.md)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"environment": env, "quick": args.quick, "rows": rows}, indent=2))
+        write_text_atomically("--json", Path(args.json),
+                              json.dumps({"environment": env, "quick": args.quick, "rows": rows}, indent=2))
     return 0
 

@@ -16,6 +16,10 @@ takes a request only under ceil((1 + eps) x average) requests in flight), and pr
 of every replica's cached blocks built only from their KV events, sent as vLLM's wire format, with
 the SGLang router's cache threshold and load guard). ``all`` runs each in turn.
 
+The precise router's events travel as vLLM's wire bytes when msgspec is installed (``pip install
+"pagedkv[events]"``); without it they travel in process as the managers' own event objects, which
+give the same routing (the table says which way they went).
+
 The Mooncake conversation trace carries content hashes, so routing changes the prefix hit rate.
 The Azure traces carry none (every prompt is unique): they show load balancing only.
 """
@@ -40,7 +44,9 @@ from . import (
     check_model,
     check_number,
     check_out_file,
+    emit,
     reports_errors,
+    write_text_atomically,
 )
 from .simulate import MAX_BLOCKS, MAX_LEN, SHIPPED_TRACES
 
@@ -131,12 +137,6 @@ def _check(args: argparse.Namespace) -> None:
             import xxhash  # noqa: F401
         except ImportError:
             raise UsageError('--hash-algo xxh3 needs the xxhash package: pip install "pagedkv[xxhash]"') from None
-    if args.router in ("precise", "all"):
-        try:
-            import msgspec  # noqa: F401
-        except ImportError:
-            raise UsageError(f"--router {args.router}: the precise router reads KV events in vLLM's wire "
-                             'format, which needs msgspec: pip install "pagedkv[events]"') from None
 
 
 def _memory(args: argparse.Namespace) -> tuple[int, CostModel]:
@@ -184,7 +184,9 @@ def _trace(args: argparse.Namespace) -> tuple[Path, str]:
 
 
 def _requests(args: argparse.Namespace, path: Path, num_blocks: int) -> list:
-    """The requests, clipped to ``--max-len``, refused when one cannot fit a replica's cache."""
+    """The requests clipped to ``--max-len`` (the replicas would clip them; the routers see what
+    the replicas serve, so a precise router never hashes tokens no replica can hold), refused
+    when one cannot fit a replica's cache."""
     from ..sim.fleet import ReplicaAllocator
     from ..sim.scheduler import check_fits, clip_request
     from ..sim.traces import load_trace
@@ -192,8 +194,12 @@ def _requests(args: argparse.Namespace, path: Path, num_blocks: int) -> list:
     reqs = load_trace(path, limit=args.num_requests)
     if not reqs:
         raise UsageError(f"{path}: no requests to route")
-    check_fits([clip_request(r, args.max_len) for r in reqs], ReplicaAllocator(num_blocks, args.block_size),
-               args.max_len)
+    if args.num_requests is not None and len(reqs) < args.num_requests:
+        default = " (the default)" if args.num_requests == DEFAULT_REQUESTS else ""
+        print(f"pagedkv fleet: --num-requests {args.num_requests:,}{default}: the trace has only {len(reqs):,} "
+              f"request{'s' if len(reqs) != 1 else ''}; routing all of them", file=sys.stderr)
+    reqs = [clip_request(r, args.max_len) for r in reqs]
+    check_fits(reqs, ReplicaAllocator(num_blocks, args.block_size), args.max_len)
     return reqs
 
 
@@ -203,7 +209,8 @@ def _router(args: argparse.Namespace, name: str):
                        balance_rel=args.balance_rel, cache_threshold=args.cache_threshold)
 
 
-def _table(args: argparse.Namespace, results: list, n: int, fmt: str, num_blocks: int, cost: CostModel) -> Table:
+def _table(args: argparse.Namespace, results: list, n: int, fmt: str, num_blocks: int, cost: CostModel,
+           wire: bool = True) -> Table:
     t = Table(f"{args.trace}: {n:,} requests on {args.replicas} replicas of {num_blocks:,} blocks of "
               f"{args.block_size} ({cost.model})",
               ["router", "hit %", "imbalance", "TTFT p50 ms", "TTFT p90 ms", "req/s", "tokens/s",
@@ -217,6 +224,9 @@ def _table(args: argparse.Namespace, results: list, n: int, fmt: str, num_blocks
               round(100 * s["prefixes_on_one_replica"], 1), s["preemptions"], round(s["wall_s"], 1))
     for res in results:
         extra = f"; {res.event_bytes / 1e6:,.1f} MB of KV events decoded" if res.event_bytes else ""
+        if res.router.startswith("precise") and not wire:
+            extra = ('; KV events delivered in process as event objects (same routing; install msgspec, '
+                     'pip install "pagedkv[events]", to send them as vLLM wire bytes)')
         stats = ", ".join(f"{k} {v:,}" for k, v in sorted(res.router_stats.items()))
         if stats or extra or res.router != res.router.split(" ")[0]:
             t.notes.append(f"{res.router}" + (f": {stats}" if stats else "") + extra)
@@ -234,7 +244,7 @@ def _table(args: argparse.Namespace, results: list, n: int, fmt: str, num_blocks
 @reports_errors("fleet")
 def run(args: argparse.Namespace) -> int:
     """Print the table; 0 on success, 2 with one line on stderr for bad input."""
-    from ..sim.fleet import run_fleet
+    from ..sim.fleet import run_fleet, wire_available
 
     _check(args)
     num_blocks, cost = _memory(args)
@@ -251,10 +261,10 @@ def run(args: argparse.Namespace) -> int:
         results.append(run_fleet(reqs, _router(args, name), args.replicas, num_blocks, block_size=args.block_size,
                                  cost=cost, hash_algo=args.hash_algo, max_len=args.max_len,
                                  max_num_seqs=args.max_num_seqs, key_tokens=args.key_tokens, progress=progress))
-    print(_table(args, results, len(reqs), fmt, num_blocks, cost).to_text())
+    emit(_table(args, results, len(reqs), fmt, num_blocks, cost, wire_available()).to_text())
     if args.json is not None:
         payload = {"trace": str(path), "format": fmt, "requests": len(reqs), "replicas": args.replicas,
                    "blocks_per_replica": num_blocks, "block_size": args.block_size, "cost_model": cost.describe(),
-                   "results": [r.summary() for r in results]}
-        args.json.write_text(json.dumps(payload, indent=1))
+                   "events": "wire" if wire_available() else "in process", "results": [r.summary() for r in results]}
+        write_text_atomically("--json", args.json, json.dumps(payload, indent=1))
     return 0

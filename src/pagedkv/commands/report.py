@@ -7,12 +7,25 @@ writes report.md, report.json and PNG plots. Progress goes to stderr, the report
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from ..report import SECTIONS, TRACE_SECTIONS, ReportOptions, build_report, render_text, write_report
-from . import UsageError, add_data_dir_argument, check_data_dir, check_int, check_model, check_out_dir, reports_errors
+from . import (
+    OutputError,
+    UsageError,
+    add_data_dir_argument,
+    check_data_dir,
+    check_int,
+    check_model,
+    check_out_dir,
+    emit,
+    reports_errors,
+)
 
 MAX_BLOCK_SIZE = 2048  # the report's context limit (the vLLM paper's max length)
 
@@ -88,6 +101,28 @@ def _options(args: argparse.Namespace, progress) -> ReportOptions:
                          trace=args.trace, data_dir=args.data_dir, progress=progress)
 
 
+def _write_out(sections, opts: ReportOptions, out: Path) -> list[Path]:
+    """``write_report`` into a fresh directory inside ``out``, then each file renamed into
+    ``out``: a disk that fills up or fails halfway leaves the files of an earlier run as they
+    were and no truncated report.json or report.md that reads as complete."""
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=".pagedkv-report-", dir=out))
+    except OSError as e:
+        raise OutputError(f"--out {out}: cannot write ({e.strerror or e}); nothing was written") from None
+    moved: list[Path] = []
+    try:
+        written = write_report(sections, opts, staging)
+        for path in written:
+            os.replace(path, out / path.name)
+            moved.append(out / path.name)
+    except OSError as e:
+        done = (f"only {', '.join(p.name for p in moved)} replaced" if moved else "nothing was written")
+        raise OutputError(f"--out {out}: cannot write ({e.strerror or e}); {done}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return [out / path.name for path in written]
+
+
 @reports_errors("report")
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
@@ -103,12 +138,12 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None:
         check_out_dir("--out", args.out)
     sections = build_report(opts, keys, progress)
-    sys.stdout.write(render_text(sections))
-    sys.stdout.flush()
+    text = render_text(sections)
+    emit(text[:-1] if text.endswith("\n") else text)
     if args.out is not None:
         from ..report.plots import plot_available
 
-        for path in write_report(sections, opts, args.out):
+        for path in _write_out(sections, opts, args.out):
             print(f"wrote {path}", file=sys.stderr)
         if not plot_available():
             print("no PNG plots: matplotlib is not installed (pip install 'pagedkv[plot]')", file=sys.stderr)

@@ -24,6 +24,7 @@ throughput, and what paging serves against each reservation.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from . import (
     check_int,
     check_model,
     check_number,
+    emit,
     reports_errors,
 )
 
@@ -53,6 +55,9 @@ MAX_BLOCKS = 1 << 24
 MAX_SLOTS = (1 << 31) - 1
 MAX_REQUESTS = 1_000_000
 MAX_LEN = 1 << 20
+# Below one request per 100 s no two requests share the server (a request is served in seconds):
+# the run costs as much as at 1 request/s and measures idleness, and its requests/s rounds to 0.
+MIN_RATE = 0.01
 # Workload names that replay a trace shipped with pagedkv (short names of sim.traces.TRACE_FILES).
 SHIPPED_TRACES = {"azure-conv-trace": "azure-conv", "azure-code-trace": "azure-code", "mooncake-trace": "mooncake"}
 
@@ -64,15 +69,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with pagedkv (azure-conv-trace, azure-code-trace, mooncake-trace) or a trace file "
                         "(default: sharegpt)")
     p.add_argument("--allocator", default="all", choices=[*ALLOCATORS, "all"], help="default: all four")
-    p.add_argument("--num-requests", type=int, default=500, help="requests to serve (default 500)")
+    p.add_argument("--num-requests", type=int, default=500,
+                   help=f"requests to serve (default 500, at most {MAX_REQUESTS:,}; a trace's first N)")
     p.add_argument("--rate", type=float, default=None,
-                   help="Poisson arrivals per second; default: the trace's timestamps, or all at t=0 "
-                        "for a built-in workload; 0 puts every arrival at t=0")
+                   help=f"Poisson arrivals per second, at least {MIN_RATE:g}; default: the trace's timestamps, "
+                        "or all at t=0 for a built-in workload; 0 puts every arrival at t=0")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-len", type=int, default=2048, help="context limit and Max's reservation (default 2048)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences cap (default 256)")
-    p.add_argument("--n", type=int, default=1, help="parallel samples per request")
-    p.add_argument("--beam-width", type=int, default=1, help="beam width per request")
+    p.add_argument("--n", type=int, default=1,
+                   help="parallel samples per request (default 1; not a request count: see --num-requests)")
+    p.add_argument("--beam-width", type=int, default=1, help="beam width per request (default 1)")
     p.add_argument("--model", default="OPT-13B",
                    help="built-in model for KV and weight bytes (default OPT-13B, the vLLM paper's)")
     p.add_argument("--gpu-mem-gib", type=float, default=40.0, help="GPU memory (default 40, an A100-40GB)")
@@ -105,6 +112,10 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError("use --n or --beam-width, not both")
     if args.rate is not None:
         check_number("--rate", args.rate, lo_open=False)
+        if 0 < args.rate < MIN_RATE:
+            raise UsageError(f"--rate must be 0 (every arrival at t = 0) or at least {MIN_RATE:g} requests/s, "
+                             f"got {args.rate:g}: below that no two requests share the server and "
+                             "requests/s rounds to 0")
     check_gpu_flags(args)
     check_data_dir("--data-dir", args.data_dir)
 
@@ -190,6 +201,10 @@ def _requests(args: argparse.Namespace) -> tuple[list, str, list[str]]:
                          "redrawn (the means are re-solved to stay the published ones)")
     else:
         raw = load_workload(src, args.num_requests, args.seed, rate=rate, n=args.n, beam_width=args.beam_width)
+        if len(raw) < args.num_requests:
+            default = " (the default)" if args.num_requests == 500 else ""
+            print(f"pagedkv simulate: --num-requests {args.num_requests:,}{default}: {src.name} has only "
+                  f"{len(raw):,} request{'s' if len(raw) != 1 else ''}; serving all of them", file=sys.stderr)
         reqs, rejected, stopped = fit_to_model(raw, args.max_len)
         if rejected or stopped:
             notes.append(f"of {len(raw):,} trace requests, {rejected:,} have a prompt of --max-len "
@@ -259,5 +274,5 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     num_blocks, cost = _memory(args)
     reqs, what, notes = _requests(args)
-    print(_table(args, num_blocks, cost, reqs, what, notes).to_text())
+    emit(_table(args, num_blocks, cost, reqs, what, notes).to_text())
     return 0

@@ -24,7 +24,7 @@ from ..sim.sizing import (
     spec_from_config,
 )
 from ..tables import Table
-from . import UsageError, check_int, check_number, reports_errors
+from . import UsageError, check_int, check_number, emit, reports_errors
 
 __all__ = ["add_arguments", "run"]
 
@@ -101,6 +101,8 @@ def _list_table(args: argparse.Namespace) -> Table:
 
 
 def _size_tables(args: argparse.Namespace) -> list[Table]:
+    if args.config and Path(args.config).is_dir():
+        raise UsageError(f"--config {args.config} is a directory; give the config.json file in it")
     if args.config and not Path(args.config).is_file():
         raise UsageError(f"--config {args.config}: no such file")
     spec = spec_from_config(args.config) if args.config else get_model(args.model)
@@ -146,6 +148,10 @@ def _capacity_table(args: argparse.Namespace, spec, s) -> Table | None:
         t.add("GPU memory (GiB)", float(args.gpu_mem_gib))
         t.add("utilisation", float(args.util))
         t.add("weights (GiB)", float(weights))
+    if cap.num_blocks < 1:
+        flag = f"--kv-gib {args.kv_gib:g}" if args.kv_gib is not None else f"--gpu-mem-gib {args.gpu_mem_gib:g}"
+        raise UsageError(f"{flag} leaves {cap.kv_budget_bytes:,.0f} bytes of KV budget: not one block "
+                         f"({s.bytes_per_block:,} bytes of {spec.name} KV at block size {args.block_size})")
     t.add("KV budget (GiB)", cap.kv_budget_bytes / GIB)
     t.add("blocks", cap.num_blocks)
     t.add("token slots", cap.token_slots)
@@ -158,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     """Print the requested tables; return 0, or 2 with one line on stderr for bad input."""
     _check(args)
     if args.list:
-        print(_list_table(args).to_text())
+        emit(_list_table(args).to_text())
         return 0
-    print("\n\n".join(t.to_text() for t in _size_tables(args)))
+    emit("\n\n".join(t.to_text() for t in _size_tables(args)))
     return 0

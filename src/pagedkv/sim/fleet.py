@@ -13,7 +13,10 @@ and the cost model, and a :mod:`router <pagedkv.sim.routers>` in front of them:
    (``take_events``), encodes them as one vLLM ``KVEventBatch`` (:func:`pagedkv.events.encode_vllm`,
    timestamped with the replica's clock) and the router decodes the payload
    (:func:`pagedkv.events.decode_vllm`); nothing else of the replica is visible to it. In
-   process, no sockets: the bytes are those a ZMQ publisher would send;
+   process, no sockets: the bytes are those a ZMQ publisher would send. Without msgspec (the
+   ``events`` extra) the same events travel as the manager's own objects instead
+   (``run_fleet(wire=False)``): the router learns the same hashes and routes the same way, but
+   no bytes are encoded or counted;
 3. the router picks a replica, the request is submitted there, and when the trace is exhausted
    every replica drains.
 
@@ -49,7 +52,17 @@ from .request import Request
 from .routers import DEFAULT_KEY_TOKENS, Router, prefix_key, prompt_array
 from .scheduler import Guards, Server, SimResult
 
-__all__ = ["ReplicaAllocator", "Replica", "FleetResult", "run_fleet", "replica_names"]
+__all__ = ["ReplicaAllocator", "Replica", "FleetResult", "run_fleet", "replica_names", "wire_available"]
+
+
+def wire_available() -> bool:
+    """True when msgspec (the ``events`` extra) is installed, so that events can travel as vLLM's
+    wire bytes; without it :func:`run_fleet` hands the router the manager's event objects."""
+    try:
+        import msgspec  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def replica_names(n: int) -> list[str]:
@@ -194,23 +207,27 @@ class Replica:
     """One replica: a name, a :class:`ReplicaAllocator` and the :class:`Server` driving it.
 
     ``take_payload()`` is the replica's side of the event plumbing: the manager's events since
-    the last call as one vLLM ``KVEventBatch`` (None when there were none).
+    the last call as one vLLM ``KVEventBatch`` (None when there were none), or with
+    ``wire=False`` the list of event objects itself.
     """
 
     def __init__(self, name: str, num_blocks: int, block_size: int, cost: CostModel, *,
                  hash_algo: str = "sha256", events: bool = False, max_len: int = 2048,
-                 max_num_seqs: int = 256, guards: Guards | None = None) -> None:
+                 max_num_seqs: int = 256, guards: Guards | None = None, wire: bool = True) -> None:
         self.name = name
+        self.wire = wire
         self.alloc = ReplicaAllocator(num_blocks, block_size, hash_algo=hash_algo, enable_events=events)
         self.server = Server(self.alloc, cost, max_len=max_len, max_num_seqs=max_num_seqs, guards=guards,
                              record_steps=False, coalesce=True)
         self.events = events
 
-    def take_payload(self) -> bytes | None:
+    def take_payload(self) -> bytes | list | None:
         from ..events import encode_vllm
 
         evs = self.alloc.m.take_events()
-        return encode_vllm(evs, self.server.clock) if evs else None
+        if not evs:
+            return None
+        return encode_vllm(evs, self.server.clock) if self.wire else evs
 
 
 @dataclass
@@ -320,8 +337,13 @@ def run_fleet(requests: Sequence[Request], router: Router, replicas: int, num_bl
               max_len: int = 2048, max_num_seqs: int = 256, guards: Guards | None = None,
               key_tokens: int = DEFAULT_KEY_TOKENS, advance_order: Sequence[int] | None = None,
               progress: Callable[[int, int], None] | None = None,
-              observer: Callable[[int, list[Replica], Router], None] | None = None) -> FleetResult:
+              observer: Callable[[int, list[Replica], Router], None] | None = None,
+              wire: bool | None = None) -> FleetResult:
     """Serve ``requests`` on ``replicas`` replicas of ``num_blocks`` blocks each behind ``router``.
+
+    ``wire``: a router that reads KV events gets them as vLLM wire bytes (True; needs msgspec)
+    or as the managers' event objects (False; same routing, no bytes); None, the default, means
+    the wire when msgspec is installed. ``FleetResult.event_bytes`` is 0 without the wire.
 
     ``key_tokens`` defines "the same prefix" for :meth:`FleetResult.replicas_per_prefix`.
     ``advance_order`` is the order in which replicas are advanced and drained at each arrival
@@ -343,9 +365,15 @@ def run_fleet(requests: Sequence[Request], router: Router, replicas: int, num_bl
     order = list(range(replicas)) if advance_order is None else list(advance_order)
     if sorted(order) != list(range(replicas)):
         raise ValueError(f"advance_order must be a permutation of 0..{replicas - 1}")
+    if wire is None:
+        wire = wire_available()
+    elif not isinstance(wire, bool):
+        raise ValueError(f"wire must be None, True or False, got {wire!r}")
+    elif wire and router.wants_events and not wire_available():
+        raise ImportError('KV events on the wire need msgspec (the "events" extra): pip install "pagedkv[events]"')
     cost = cost or CostModel()
     fleet = [Replica(name, num_blocks, block_size, cost, hash_algo=hash_algo, events=router.wants_events,
-                     max_len=max_len, max_num_seqs=max_num_seqs, guards=guards) for name in names]
+                     max_len=max_len, max_num_seqs=max_num_seqs, guards=guards, wire=wire) for name in names]
     router.bind(names)
     servers = [rep.server for rep in fleet]
     assignment = np.empty(len(reqs), dtype=np.int64)
@@ -357,7 +385,8 @@ def run_fleet(requests: Sequence[Request], router: Router, replicas: int, num_bl
         for j in order:
             payload = fleet[j].take_payload()
             if payload is not None:
-                sent += len(payload)
+                if wire:
+                    sent += len(payload)
                 router.on_events(j, payload)
         return sent
 

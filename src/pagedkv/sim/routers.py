@@ -178,8 +178,9 @@ class Router:
     def route(self, request: Request, loads: Sequence[int]) -> int:
         raise NotImplementedError
 
-    def on_events(self, replica: int, payload: bytes) -> None:
-        """A batch of KV events from ``replica`` (vLLM's msgpack ``KVEventBatch``)."""
+    def on_events(self, replica: int, payload) -> None:
+        """A batch of KV events from ``replica``: vLLM's msgpack ``KVEventBatch`` (bytes), or the
+        replica manager's own event objects when they travel in process (no msgspec)."""
 
     def describe(self) -> str:
         return self.name
@@ -375,11 +376,22 @@ class PrefixAwareRouter(Router):
 
     # ---- the index, from the wire
 
-    def on_events(self, replica: int, payload: bytes) -> None:
-        from ..events import MEDIUM_GPU, WireBlockRemoved, WireBlockStored, decode_vllm
-
+    def on_events(self, replica: int, payload) -> None:
+        """Index a batch of ``replica``'s KV events: the bytes of one vLLM ``KVEventBatch`` (what
+        a ZMQ subscriber receives; decoding needs msgspec, the ``events`` extra), or a list of
+        the manager's own ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` as
+        ``take_events()`` returns them (in process, no msgspec). Both carry the same facts (which
+        hashes were stored or removed, on which medium, at which block size) and the index keys
+        on the same 64-bit ids (:func:`pagedkv.events.hash_to_u64`, what the wire carries), so
+        both give the same routing (a test runs the fleet both ways and compares every choice).
+        """
         if not 0 <= replica < len(self.names):
             raise ValueError(f"replica {replica} is not one of the {len(self.names)} bound")
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            self._index_objects(replica, payload)
+            return
+        from ..events import MEDIUM_GPU, WireBlockRemoved, WireBlockStored, decode_vllm
+
         _, events, _ = decode_vllm(payload)
         held = self.held[replica]
         for ev in events:
@@ -395,6 +407,31 @@ class PrefixAwareRouter(Router):
                 held.update(ev.block_hashes)
             else:
                 held.difference_update(ev.block_hashes)
+
+    def _index_objects(self, replica: int, events) -> None:
+        """:meth:`on_events` for the manager's event objects (``pagedkv.types``)."""
+        from ..events import MEDIUM_GPU, hash_to_u64
+        from ..types import AllBlocksCleared, BlockRemoved, BlockStored
+
+        if isinstance(events, (BlockStored, BlockRemoved, AllBlocksCleared)):
+            raise ValueError(f"events must be a list of events, got a single {type(events).__name__}")
+        held = self.held[replica]
+        for ev in events:
+            if isinstance(ev, AllBlocksCleared):
+                held.clear()
+                continue
+            if not isinstance(ev, (BlockStored, BlockRemoved)):
+                raise ValueError(f"not a KV event (BlockStored, BlockRemoved, AllBlocksCleared): "
+                                 f"{type(ev).__name__}")
+            if ev.medium not in (None, MEDIUM_GPU):
+                continue
+            if isinstance(ev, BlockStored):
+                if ev.block_size != self.block_size:
+                    raise ValueError(f"replica {self.names[replica]} stores blocks of {ev.block_size} tokens; "
+                                     f"this router hashes blocks of {self.block_size}")
+                held.update(hash_to_u64(h) for h in ev.block_hashes)
+            else:
+                held.difference_update(hash_to_u64(h) for h in ev.block_hashes)
 
     def blocks_held(self, replica: int) -> frozenset:
         """The 64-bit hashes of the blocks the index says ``replica`` holds."""

@@ -164,12 +164,19 @@ def _positive_field(cfg: Mapping[str, Any], field_name: str, value: Any) -> int:
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
-    """Read a ``config.json`` file (a clear ValueError when missing or not a JSON object)."""
+    """Read a ``config.json`` file (a clear ValueError naming the file when it is missing, a
+    directory, unreadable, not UTF-8 text or not a JSON object)."""
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"config file {p} is a directory, not a file")
     if not p.is_file():
         raise ValueError(f"config file {p} does not exist")
     try:
-        cfg = json.loads(p.read_text())
+        cfg = json.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{p}: not a JSON text file (not UTF-8: binary?)") from None
+    except OSError as e:
+        raise ValueError(f"{p}: cannot read ({e.strerror or e})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(cfg, dict):

@@ -7,7 +7,8 @@ content segments (see ``request.py``), so a 12,000-request trace costs kilobytes
   content, so every prompt is one segment of content unique to that request: no prefix sharing.
 - **Mooncake** (FAST'25; ``timestamp`` in ms, ``input_length``, ``output_length``, ``hash_ids``)
   gives one id per 512-token block of the prompt, chained (equal ids mean an equal prefix up to and
-  including that block). Block ``i`` becomes the segment ``(key(id), 512)``, the last one
+  including that block); a line with more or fewer ids than ``ceil(input_length / 512)`` is an
+  error naming it. Block ``i`` becomes the segment ``(key(id), 512)``, the last one
   ``input_length - 512 * (len - 1)`` tokens long. Because a segment's tokens are a function of its
   key alone, equal ids give equal tokens, a short last block is a prefix of the full block with
   the same id, and a prefix hit at any block size B happens exactly where the trace says.
@@ -230,7 +231,12 @@ def _records(p: Path, start: int, limit: int | None, skip_header: bool) -> Itera
         raise TraceFormatError(f"{p}: no requests in the trace (the file is empty)")
 
 
-def _int_field(value: object, name: str, lo: int, where: str) -> int:
+# A token count past 2**31 - 1 is no request (positions and slots are int32 everywhere); a
+# larger one in a trace is a corrupt line, and would overflow numpy's int64 token arithmetic.
+MAX_TRACE_TOKENS = (1 << 31) - 1
+
+
+def _int_field(value: object, name: str, lo: int, where: str, hi: int | None = MAX_TRACE_TOKENS) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         if isinstance(value, float) and value.is_integer():
             value = int(value)
@@ -238,6 +244,8 @@ def _int_field(value: object, name: str, lo: int, where: str) -> int:
             raise TraceFormatError(f"{where}: {name} must be an integer, got {value!r}")
     if value < lo:
         raise TraceFormatError(f"{where}: {name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise TraceFormatError(f"{where}: {name} must be at most {hi:,} tokens, got {value:,}")
     return value
 
 
@@ -319,8 +327,9 @@ def mooncake_segments(input_length: int, hash_ids: list[int], namespace: str, in
                       block: int = MOONCAKE_BLOCK) -> tuple[tuple[int, int], ...]:
     """Segments of one Mooncake prompt: one per hash id (``block`` tokens, the last shorter).
 
-    When the trace gives fewer ids than ``ceil(input_length / block)``, the tokens past the last
-    id are a segment of content unique to this request (``index``), so they never hit.
+    Given fewer ids than ``ceil(input_length / block)`` (a caller building requests itself; the
+    file loaders refuse such a line), the tokens past the last id are a segment of content unique
+    to this request (``index``), so they never hit.
     Example: 1100 tokens, ids [0, 7, 9] -> ((k0, 512), (k7, 512), (k9, 76)).
     """
     covered = min(input_length, block * len(hash_ids))
@@ -351,12 +360,16 @@ def _mooncake_record(line: str, where: str, block: int) -> tuple[int | float, in
     ids = rec["hash_ids"]
     if not isinstance(ids, list):
         raise TraceFormatError(f"{where}: hash_ids must be a list, got {type(ids).__name__}")
-    ids = [_int_field(h, "hash_ids[]", 0, where) for h in ids]
+    ids = [_int_field(h, "hash_ids[]", 0, where, hi=None) for h in ids]
     if any(h >= 1 << 32 for h in ids):
         raise TraceFormatError(f"{where}: hash_ids must be < 2**32")
-    if len(ids) > -(-n_in // block):
-        raise TraceFormatError(f"{where}: {len(ids)} hash_ids for {n_in} tokens; at most "
-                               f"ceil({n_in}/{block}) = {-(-n_in // block)}")
+    want = -(-n_in // block)
+    if len(ids) != want:
+        # Fewer would leave the prompt's tail without content ids (a truncated line, a trace of
+        # another block size): its tokens could never hit and the hit rate would be understated
+        # without a word.
+        raise TraceFormatError(f"{where}: {len(ids)} hash_ids for {n_in} tokens; a Mooncake trace gives "
+                               f"one per {block}-token block: ceil({n_in}/{block}) = {want}")
     return ts, n_in, n_out, ids
 
 
