@@ -15,7 +15,7 @@ from pagedkv import ChunkedLocalAttention, FullAttention, SlidingWindow
 from pagedkv.commands import check_model, size as size_cmd
 from pagedkv.commands import UsageError
 from pagedkv.kv_specs import check_groups
-from pagedkv.sim.sizing import (attention_groups, get_model, group_kv, kv_size,
+from pagedkv.sim.sizing import (attention_groups, equal_page_groups, get_model, group_kv, kv_size,
                                 layer_attention_from_config, request_kv_bytes, spec_from_config)
 
 
@@ -184,3 +184,20 @@ def test_serving_commands_refuse_hybrid_models_rather_than_size_them_as_uniform(
     with pytest.raises(UsageError, match="hybrid"):
         check_model("--model", "gpt-oss-20b")
     assert check_model("--model", "Llama-3.1-8B").name == "Llama-3.1-8B"
+
+
+def test_vllm_equal_page_layout_pads_gemma3_27b_and_not_gpt_oss():
+    """Issue 19 item 3's starting figure: vLLM's equal-page groups pad Gemma 3 27B's sliding
+    layers by 8 of 52 (its own warning: "may waste at most 15.38%"); gpt-oss pads nothing."""
+    gemma = equal_page_groups(get_model("Gemma-3-27B"))
+    assert [(g.attention.kind, g.layers, g.padding) for g in gemma] == (
+        [("sliding_window", 9, 1)] * 4 + [("sliding_window", 8, 2)] * 2 + [("full_attention", 10, 0)])
+    sliding = [g for g in gemma if g.attention.kind == "sliding_window"]
+    waste = sum(g.padding for g in sliding) / sum(g.layers for g in sliding)
+    assert round(100 * waste, 2) == 15.38
+    for name in ("gpt-oss-20b", "gpt-oss-120b"):
+        assert all(g.padding == 0 for g in equal_page_groups(get_model(name)))
+    # 12 sliding + 13 full (gpt-oss-20b with an EAGLE layer): one size of 13, a single padding layer
+    cfg = {"num_hidden_layers": 25, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 512,
+           "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 12 + ["full_attention"]}
+    assert [(g.layers, g.padding) for g in equal_page_groups(spec_from_config(cfg))] == [(12, 1), (13, 0)]

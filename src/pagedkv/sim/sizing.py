@@ -66,6 +66,8 @@ __all__ = [
     "GroupKV",
     "group_kv",
     "request_kv_bytes",
+    "EqualPageGroup",
+    "equal_page_groups",
 ]
 
 GIB = 1 << 30  # bytes in a GiB; the vLLM paper's "GB" (see the module docstring)
@@ -592,3 +594,36 @@ def request_kv_bytes(spec: ModelSpec, context: int, *, grouped: bool = True, dty
         return sum(g.bytes_held for g in groups)
     full_blocks = -(-context // block_size)
     return sum(g.bytes_per_block for g in groups) * full_blocks
+
+
+@dataclass(frozen=True)
+class EqualPageGroup:
+    """One KV cache group of vLLM's equal-page layout: an attention spec, the real layers in it
+    and the padding layers that make its page as large as every other group's."""
+
+    attention: AttentionSpec
+    layers: int
+    padding: int
+
+
+def equal_page_groups(spec: ModelSpec) -> list[EqualPageGroup]:
+    """The KV cache groups vLLM v1 builds for a hybrid model so that every group's page has the
+    same bytes (``_get_kv_cache_groups_uniform_page_size``): the group size is the fewest layers
+    of any attention type (or the most, when the most are under 1.5 times the fewest); each
+    type's layers are dealt into ``ceil(n / size)`` groups of that size, the last one padded.
+
+    Example: Gemma 3 27B has 52 sliding and 10 full layers: groups of 10, the sliding layers in 6
+    groups, the last holding 2 real layers and 8 padding ones. A block of a padded group reserves
+    memory for 10 layers, so the sliding layers' KV takes 60/52 of what they need: 8/52 = 15.4%
+    more (vLLM logs "may waste at most 15.38%"). gpt-oss (12 + 12 or 18 + 18) pads nothing.
+    """
+    types = attention_groups(spec)
+    fewest, most = min(n for _, n in types), max(n for _, n in types)
+    size = most if most < 1.5 * fewest else fewest
+    out = []
+    for attention, n in types:
+        groups = -(-n // size)
+        for i in range(groups):
+            real = len(range(i, n, groups))  # layers i, i + groups, ...: vLLM deals them round-robin
+            out.append(EqualPageGroup(attention, real, size - real))
+    return out
