@@ -46,7 +46,10 @@ def test_design_values(model, expected):
 
 def test_builtin_table_covers_the_issue_models_and_attention_kinds():
     models = builtin_models()
-    assert set(DESIGN_VALUES) | {"Mistral-7B"} == set(models)
+    hybrid = {"gpt-oss-20b", "gpt-oss-120b", "Gemma-3-4B", "Gemma-3-12B", "Gemma-3-27B", "Llama-4-Scout",
+              "Command-R7B"}
+    assert set(DESIGN_VALUES) | {"Mistral-7B"} | hybrid == set(models)
+    assert {n for n, m in models.items() if m.is_hybrid} == hybrid
     kinds = {m.attention for m in models.values()}
     assert {"MHA", "GQA", "MLA"} <= kinds
     assert models["Mistral-7B"].attention == "GQA"

@@ -5,6 +5,7 @@ measures the design (store, model, simulator, report) sits on top and imports on
 """
 from .types import (AllBlocksCleared, BlockRemoved, BlockStored, CopyOp, OutOfBlocks, PrefixHit,
                     Transfer, Usage)
+from .kv_specs import ChunkedLocalAttention, FullAttention, SlidingWindow
 from .pool import BlockPool
 from .manager import KVCacheManager
 
@@ -19,5 +20,8 @@ __all__ = [
     "BlockStored",
     "BlockRemoved",
     "AllBlocksCleared",
+    "FullAttention",
+    "SlidingWindow",
+    "ChunkedLocalAttention",
 ]
 __version__ = "0.1.0"

@@ -235,11 +235,19 @@ def check_data_dir(flag: str, path: Path | None) -> None:
 
 
 def check_model(flag: str, name: str):
-    """The built-in model ``name`` (a ``ModelSpec``), or a :class:`UsageError` naming ``flag``."""
+    """The built-in model ``name`` (a ``ModelSpec``), or a :class:`UsageError` naming ``flag``.
+
+    Hybrid models are refused: the serving runs that take ``--model`` size every layer for the
+    whole context, which overstates a hybrid model's KV by half or more (``pagedkv size``)."""
     from ..sim.sizing import builtin_models, get_model
 
     try:
-        return get_model(name)
+        spec = get_model(name)
     except ValueError:
         raise UsageError(f"{flag} {name!r} is not a built-in model; choose from "
                          f"{', '.join(builtin_models())} (pagedkv size --list)") from None
+    if spec.is_hybrid:  # the simulator's allocators keep every layer's K/V for the whole context
+        raise UsageError(f"{flag} {spec.name} is a hybrid model (sliding-window or chunked layers), which "
+                         f"these serving runs would size as uniform; pagedkv size {spec.name} shows "
+                         "its grouped KV")
+    return spec

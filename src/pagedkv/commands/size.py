@@ -6,6 +6,7 @@ Examples:
     pagedkv size Llama-3.1-8B --gpu-mem-gib 80 --util 0.9          # weights estimated: 14.96 GiB
     pagedkv size OPT-13B --kv-gib 12                                # vLLM Table 1: 15,728 slots
     pagedkv size --config path/to/config.json --dtype fp8 --tp 4
+    pagedkv size gpt-oss-20b --kv-gib 40 --context 4096,131072    # hybrid: per-group sizes
 """
 from __future__ import annotations
 
@@ -16,11 +17,14 @@ from ..sim.sizing import (
     GIB,
     MAX_MEMORY_GIB,
     ModelSpec,
+    attention_groups,
     builtin_models,
     estimate_weight_bytes,
     fit_blocks,
     get_model,
+    group_kv,
     kv_size,
+    request_kv_bytes,
     spec_from_config,
 )
 from ..tables import Table
@@ -43,6 +47,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weights per GPU in GiB (default: estimated for dense models)")
     parser.add_argument("--kv-gib", type=float, help="a KV budget per GPU in GiB, instead of --gpu-mem-gib")
     parser.add_argument("--list", action="store_true", help="list the built-in models and their KV sizes")
+    parser.add_argument("--context", default=",".join(map(str, DEFAULT_CONTEXTS)), metavar="N[,N...]",
+                        help="context lengths (tokens) at which a hybrid model's KV per request is shown "
+                             "uniform against grouped (default %(default)s)")
+
+
+DEFAULT_CONTEXTS = (4096, 8192, 32768, 131072)
+MAX_CONTEXT = 1 << 24  # 16M tokens: longer than any model's context
+
+
+def _contexts(text: str) -> list[int]:
+    """``--context 4096,131072`` -> [4096, 131072], or a UsageError naming the flag."""
+    out = []
+    for part in str(text).split(","):
+        try:
+            n = int(part.strip().replace("_", ""))
+        except ValueError:
+            raise UsageError(f"--context must be comma-separated token counts, got {text!r}") from None
+        check_int("--context", n, 1, MAX_CONTEXT)
+        out.append(n)
+    return out
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -62,6 +86,7 @@ def _check(args: argparse.Namespace) -> None:
     check_number("--util", args.util, hi=1.0)
     if args.kv_gib is not None and args.gpu_mem_gib is not None:
         raise UsageError("give --kv-gib or --gpu-mem-gib, not both")
+    args.contexts = _contexts(args.context)
 
 
 def _tp_misfit(spec: ModelSpec, tp: int) -> bool:
@@ -94,10 +119,57 @@ def _list_table(args: argparse.Namespace) -> Table:
               s.bytes_per_token, s.bytes_per_token / 1024, s.bytes_per_block)
     t.notes.append("bytes/token = 2 x layers x kv_heads x head_dim x dtype bytes "
                    "(MLA: layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes)")
+    hybrid = [f"{spec.name} ({_layer_mix(spec)})" for spec in builtin_models().values() if spec.is_hybrid]
+    if hybrid:
+        t.notes.append("hybrid models, whose rows count every layer as a uniform allocator does: "
+                       f"{'; '.join(hybrid)}; their grouped sizes: pagedkv size MODEL")
     if misfits:
         t.notes.append(f"tp={args.tp} does not divide the KV heads of {', '.join(misfits)}: their rows "
                        f"round up to ceil(kv_heads / {args.tp}) heads per GPU, a split no engine makes")
     return t
+
+
+def _attention_name(a) -> str:
+    """``SlidingWindow(128)`` -> "sliding window 128"; ``FullAttention()`` -> "full"."""
+    if a.kind == "sliding_window":
+        return f"sliding window {a.window:,}"
+    if a.kind == "chunked_local_attention":
+        return f"chunked local {a.chunk:,}"
+    return "full"
+
+
+def _layer_mix(spec: ModelSpec) -> str:
+    """"12 sliding window 128 + 12 full" for a hybrid model, "32 full" for a uniform one."""
+    return " + ".join(f"{n} {_attention_name(a)}" for a, n in attention_groups(spec))
+
+
+def _hybrid_tables(args: argparse.Namespace, spec: ModelSpec, budget: int | None) -> list[Table]:
+    """A hybrid model's groups, and its KV per request at each ``--context`` length, uniform
+    (every layer keeps every block) against grouped (each group only the blocks it reads)."""
+    kw = dict(dtype=args.dtype, tp=args.tp, block_size=args.block_size)
+    groups = Table(f"Attention groups: {spec.name} (per GPU, block size {args.block_size})",
+                   ["group", "attention", "layers", "bytes/token", "bytes/block"])
+    for i, g in enumerate(group_kv(spec, 0, **kw)):
+        groups.add(i, _attention_name(g.attention), g.layers, g.bytes_per_token, g.bytes_per_block)
+    cols = ["context tokens", "uniform MiB", "grouped MiB", "saved %"]
+    if budget is not None:
+        cols += ["requests fit, uniform", "requests fit, grouped"]
+    per_request = Table(f"KV of one request: uniform against grouped ({spec.name})", cols)
+    for n in args.contexts:
+        uniform = request_kv_bytes(spec, n, grouped=False, **kw)
+        grouped = request_kv_bytes(spec, n, **kw)
+        row = [n, f"{uniform / 2**20:,.1f}", f"{grouped / 2**20:,.1f}", f"{100 * (1 - grouped / uniform):.1f}"]
+        if budget is not None:
+            row += [budget // uniform, budget // grouped]
+        per_request.add(*row)
+    per_request.notes.append(
+        "grouped: a sliding-window group holds the blocks its last position read (window W: "
+        "about W/block_size + 1 blocks), a chunked-local group the blocks of the current chunk, "
+        "a full group every block; uniform: every layer keeps every block")
+    if budget is not None:
+        per_request.notes.append("requests fit = KV budget // bytes per request, each group's blocks "
+                                 "sized for its own layers (no page-size padding)")
+    return [groups, per_request]
 
 
 def _size_tables(args: argparse.Namespace) -> list[Table]:
@@ -123,10 +195,28 @@ def _size_tables(args: argparse.Namespace) -> list[Table]:
     t.add(f"bytes per block ({args.block_size} tokens)", s.bytes_per_block)
     t.add("token slots per GiB of KV", GIB // s.bytes_per_token)
     tables = [t]
+    if spec.is_hybrid:
+        t.notes.append(f"hybrid: {_layer_mix(spec)} layers; the bytes above count every layer "
+                       "(a uniform allocator), the tables below each group")
     cap = _capacity_table(args, spec, s)
     if cap is not None:
         tables.append(cap)
+    if spec.is_hybrid:
+        tables += _hybrid_tables(args, spec, _budget(args, spec))
     return tables
+
+
+def _budget(args: argparse.Namespace, spec: ModelSpec) -> int | None:
+    """The KV budget in bytes the capacity table used (None when no memory was given)."""
+    if args.kv_gib is not None:
+        return int(args.kv_gib * GIB)
+    if args.gpu_mem_gib is None:
+        return None
+    weights = args.weights_gib
+    if weights is None:
+        weights = estimate_weight_bytes(spec, tp=args.tp) / GIB
+    return fit_blocks(kv_size(spec, tp=args.tp), gpu_mem_gib=args.gpu_mem_gib, util=args.util,
+                      weights_gib=weights).kv_budget_bytes
 
 
 def _capacity_table(args: argparse.Namespace, spec, s) -> Table | None:

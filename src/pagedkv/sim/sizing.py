@@ -17,6 +17,13 @@ Every number here is computed from a model's architecture (the fields of its Hug
 
   DeepSeek-V3: 61 x (512 + 64) x 2 = 70,272.
 
+Hybrid models keep a spec per layer (``layer_attention``, read from ``layer_types``,
+``sliding_window``, ``sliding_window_pattern``, ``attention_chunk_size`` and ``no_rope_layers``):
+a sliding-window or chunked-local layer holds only the blocks its next query reads. gpt-oss-20b at
+4,096 tokens (block size 16): 12 full layers hold 256 blocks each, 12 sliding layers (W = 128) hold
+9, so a grouped allocator stores (12 x 256 + 12 x 9) / (24 x 256) = 51.8% of what a uniform one
+does (:func:`request_kv_bytes`).
+
 Tensor parallelism splits KV heads across GPUs: each GPU holds ``ceil(kv_heads / tp)`` heads, so
 when ``tp > kv_heads`` every GPU holds one head (the heads are replicated) and the total over all
 GPUs exceeds the unsharded size. MLA's latent belongs to no head, so every GPU holds all of it.
@@ -35,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..kv_specs import AttentionSpec, ChunkedLocalAttention, FullAttention, SlidingWindow
+
 __all__ = [
     "ModelSpec",
     "KVSize",
@@ -52,6 +61,13 @@ __all__ = [
     "kv_budget_bytes",
     "fit_blocks",
     "estimate_weight_bytes",
+    "layer_attention_from_config",
+    "attention_groups",
+    "GroupKV",
+    "group_kv",
+    "request_kv_bytes",
+    "EqualPageGroup",
+    "equal_page_groups",
 ]
 
 GIB = 1 << 30  # bytes in a GiB; the vLLM paper's "GB" (see the module docstring)
@@ -107,6 +123,8 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     gated_mlp: bool = True
     dense: bool = True
+    # One attention spec per layer (hybrid models); empty means every layer is full attention.
+    layer_attention: tuple = ()
 
     def __post_init__(self) -> None:
         for field_name in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "hidden_size"):
@@ -121,6 +139,17 @@ class ModelSpec:
         if self.is_mla and (self.kv_lora_rank < 1 or self.qk_rope_head_dim < 0):
             raise ValueError(f"{self.name}: kv_lora_rank must be >= 1 and qk_rope_head_dim >= 0")
         dtype_bytes(self.dtype)
+        if self.layer_attention:
+            if len(self.layer_attention) != self.num_layers:
+                raise ValueError(f"{self.name}: {len(self.layer_attention)} layer attention specs for "
+                                 f"{self.num_layers} layers")
+            if not all(isinstance(a, AttentionSpec) for a in self.layer_attention):
+                raise ValueError(f"{self.name}: layer_attention must hold attention specs")
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layer attends to less than the whole context."""
+        return any(not isinstance(a, FullAttention) for a in self.layer_attention)
 
     @property
     def is_mla(self) -> bool:
@@ -184,6 +213,57 @@ def load_config(path: str | Path) -> dict[str, Any]:
     return cfg
 
 
+# Per-model defaults transformers applies when a config leaves the pattern out.
+_DEFAULT_SLIDING_PATTERN = {"gemma3": 6, "gemma3_text": 6, "cohere2": 4, "gpt_oss": 2, "gemma2": 2}
+_LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
+
+
+def layer_attention_from_config(cfg: Mapping[str, Any], num_layers: int) -> tuple:
+    """One attention spec per layer from a Hugging Face config's hybrid fields (empty: all full).
+
+    Read as transformers reads them: ``layer_types`` when present (``"full_attention"``,
+    ``"sliding_attention"`` with ``sliding_window``, ``"chunked_attention"`` with
+    ``attention_chunk_size``); else ``sliding_window_pattern`` (layer i slides unless
+    ``(i + 1) % pattern == 0``; Gemma 3's default 6, Cohere2's 4, gpt-oss's 2); else Llama 4's
+    ``no_rope_layers`` / ``no_rope_layer_interval`` (RoPE layers are chunked, every fourth is a
+    global NoPE layer) with ``attention_chunk_size``; else a bare ``sliding_window`` (Mistral
+    style, every layer; ignored when ``use_sliding_window`` is false, as Qwen2 sets it). Example:
+    gpt-oss-20b's 24 layers -> sliding (128), full, sliding, full, ...
+    """
+    model_type = str(cfg.get("model_type", ""))
+    window = cfg.get("sliding_window")
+    chunk = cfg.get("attention_chunk_size")
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = cfg.get("sliding_window_pattern", _DEFAULT_SLIDING_PATTERN.get(model_type))
+        if model_type.startswith("llama4") and chunk is not None:
+            nope = cfg.get("no_rope_layers") or [
+                int((i + 1) % int(cfg.get("no_rope_layer_interval", 4)) != 0) for i in range(num_layers)]
+            types = ["chunked_attention" if r else "full_attention" for r in nope]
+        elif window is not None and pattern is not None:
+            pattern = _positive_field(cfg, "sliding_window_pattern", pattern)
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+        elif window is not None and cfg.get("use_sliding_window", True):
+            types = ["sliding_attention"] * num_layers
+        else:
+            return ()
+    if not isinstance(types, (list, tuple)) or len(types) != num_layers:
+        raise ValueError(f"config field layer_types must list one type per layer ({num_layers}), got {types!r}")
+    specs = []
+    for i, t in enumerate(types):
+        kind = _LAYER_KINDS.get(t)
+        if kind is None:
+            raise ValueError(f"layer_types[{i}] = {t!r}: pagedkv knows {', '.join(_LAYER_KINDS)} "
+                             "(linear attention and state-space layers are not KV-cache layers)")
+        if kind == "full":
+            specs.append(FullAttention())
+        elif kind == "sliding":
+            specs.append(SlidingWindow(_positive_field(cfg, "sliding_window", window)))
+        else:
+            specs.append(ChunkedLocalAttention(_positive_field(cfg, "attention_chunk_size", chunk)))
+    return tuple(specs) if any(not isinstance(a, FullAttention) for a in specs) else ()
+
+
 def spec_from_config(config: Mapping[str, Any] | str | Path, name: str | None = None) -> ModelSpec:
     """Build a :class:`ModelSpec` from a Hugging Face config (dict, or path to ``config.json``).
 
@@ -223,9 +303,10 @@ def spec_from_config(config: Mapping[str, Any] | str | Path, name: str | None = 
     dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float16"
     mla = cfg.get("kv_lora_rank") is not None
     model_type = str(cfg.get("model_type", ""))
+    num_layers = int(_first(cfg, "num_layers"))
     return ModelSpec(
         name=name or cfg.get("_name_or_path") or model_type or "config",
-        num_layers=int(_first(cfg, "num_layers")),
+        num_layers=num_layers,
         num_attention_heads=heads,
         num_kv_heads=int(kv_heads),
         head_dim=int(head_dim),
@@ -238,6 +319,7 @@ def spec_from_config(config: Mapping[str, Any] | str | Path, name: str | None = 
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "opt")),
         gated_mlp=model_type not in ("opt", "gpt2", "gptj", "gpt_neox", "falcon", "bloom"),
         dense=not (cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts")),
+        layer_attention=layer_attention_from_config(cfg, num_layers),
     )
 
 
@@ -266,6 +348,35 @@ _BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
                         vocab_size=129280, torch_dtype="bfloat16"),
     "OPT-13B": dict(model_type="opt", num_hidden_layers=40, num_attention_heads=40,
                     hidden_size=5120, ffn_dim=20480, vocab_size=50272, torch_dtype="float16"),
+    # Hybrid models: their configs' attention fields, as published with the weights.
+    "gpt-oss-20b": dict(model_type="gpt_oss", num_hidden_layers=24, num_attention_heads=64,
+                        num_key_value_heads=8, head_dim=64, hidden_size=2880, intermediate_size=2880,
+                        num_local_experts=32, sliding_window=128, vocab_size=201088,
+                        torch_dtype="bfloat16"),
+    "gpt-oss-120b": dict(model_type="gpt_oss", num_hidden_layers=36, num_attention_heads=64,
+                         num_key_value_heads=8, head_dim=64, hidden_size=2880, intermediate_size=2880,
+                         num_local_experts=128, sliding_window=128, vocab_size=201088,
+                         torch_dtype="bfloat16"),
+    "Gemma-3-4B": dict(model_type="gemma3", torch_dtype="bfloat16", text_config=dict(
+        model_type="gemma3_text", num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=256, hidden_size=2560, intermediate_size=10240, sliding_window=1024,
+        sliding_window_pattern=6, vocab_size=262208)),
+    "Gemma-3-12B": dict(model_type="gemma3", torch_dtype="bfloat16", text_config=dict(
+        model_type="gemma3_text", num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=256, hidden_size=3840, intermediate_size=15360, sliding_window=1024,
+        sliding_window_pattern=6, vocab_size=262208)),
+    "Gemma-3-27B": dict(model_type="gemma3", torch_dtype="bfloat16", text_config=dict(
+        model_type="gemma3_text", num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
+        head_dim=128, hidden_size=5376, intermediate_size=21504, sliding_window=1024,
+        sliding_window_pattern=6, vocab_size=262208)),
+    "Llama-4-Scout": dict(model_type="llama4", torch_dtype="bfloat16", text_config=dict(
+        model_type="llama4_text", num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
+        head_dim=128, hidden_size=5120, intermediate_size=8192, num_local_experts=16,
+        attention_chunk_size=8192, no_rope_layer_interval=4, vocab_size=202048)),
+    "Command-R7B": dict(model_type="cohere2", num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=8, hidden_size=4096, intermediate_size=14336,
+                        sliding_window=4096, sliding_window_pattern=4, vocab_size=256000,
+                        torch_dtype="bfloat16"),
 }
 
 
@@ -429,3 +540,97 @@ def fit_blocks(size: KVSize, *, kv_budget_gib: float | None = None, gpu_mem_gib:
         raise ValueError("give kv_budget_gib, or gpu_mem_gib with weights_gib")
     blocks = budget // size.bytes_per_block
     return Capacity(budget, size.bytes_per_block, blocks, blocks * size.block_size)
+
+
+# ---- hybrid models: KV per attention group ------------------------------------------------------
+
+
+def attention_groups(spec: ModelSpec) -> list[tuple[AttentionSpec, int]]:
+    """The model's layers grouped by attention spec, in order of first appearance, with how many
+    layers each group has. A uniform model is one group: ``[(FullAttention(), num_layers)]``.
+    Example: Gemma 3 27B -> [(SlidingWindow(1024), 52), (FullAttention(), 10)]."""
+    if not spec.layer_attention:
+        return [(FullAttention(), spec.num_layers)]
+    counts: dict[AttentionSpec, int] = {}
+    for a in spec.layer_attention:
+        counts[a] = counts.get(a, 0) + 1
+    return list(counts.items())
+
+
+@dataclass(frozen=True)
+class GroupKV:
+    """One attention group's KV on one GPU: its layers, bytes per token and per block, and the
+    blocks and bytes one request of ``context`` tokens holds in it."""
+
+    attention: AttentionSpec
+    layers: int
+    bytes_per_token: int
+    bytes_per_block: int
+    context: int
+    blocks_held: int
+
+    @property
+    def bytes_held(self) -> int:
+        return self.blocks_held * self.bytes_per_block
+
+
+def group_kv(spec: ModelSpec, context: int, *, dtype: str | None = None, tp: int = 1,
+             block_size: int = 16) -> list[GroupKV]:
+    """Per attention group: bytes per token and per block, and what a request of ``context``
+    tokens holds between steps once they are all computed (the blocks its last position read,
+    :meth:`~pagedkv.kv_specs.AttentionSpec.blocks_held`). Example:
+    gpt-oss-20b, 4,096 tokens, bf16, block size 16: the sliding group (12 layers x 2 x 8 heads x
+    64 x 2 bytes = 24,576 bytes/token) holds 9 blocks, the full group 256."""
+    _check_int("context", context, lo=0)
+    per_layer = kv_size(spec, dtype=dtype, tp=tp, block_size=block_size).bytes_per_token // spec.num_layers
+    out = []
+    for attention, layers in attention_groups(spec):
+        per_token = per_layer * layers
+        out.append(GroupKV(attention, layers, per_token, per_token * block_size, context,
+                           attention.blocks_held(context, block_size)))
+    return out
+
+
+def request_kv_bytes(spec: ModelSpec, context: int, *, grouped: bool = True, dtype: str | None = None,
+                     tp: int = 1, block_size: int = 16) -> int:
+    """KV bytes one request of ``context`` tokens holds on one GPU: every layer keeps every block
+    (``grouped=False``, a uniform allocator), or each group only the blocks it still reads.
+    For a uniform model the two are equal."""
+    groups = group_kv(spec, context, dtype=dtype, tp=tp, block_size=block_size)
+    if grouped:
+        return sum(g.bytes_held for g in groups)
+    full_blocks = -(-context // block_size)
+    return sum(g.bytes_per_block for g in groups) * full_blocks
+
+
+@dataclass(frozen=True)
+class EqualPageGroup:
+    """One KV cache group of vLLM's equal-page layout: an attention spec, the real layers in it
+    and the padding layers that make its page as large as every other group's."""
+
+    attention: AttentionSpec
+    layers: int
+    padding: int
+
+
+def equal_page_groups(spec: ModelSpec) -> list[EqualPageGroup]:
+    """The KV cache groups vLLM v1 builds for a hybrid model so that every group's page has the
+    same bytes (``_get_kv_cache_groups_uniform_page_size``): the group size is the fewest layers
+    of any attention type (or the most, when the most are under 1.5 times the fewest); each
+    type's layers are dealt into ``ceil(n / size)`` groups of that size, the last one padded.
+
+    Example: Gemma 3 27B has 52 sliding and 10 full layers: groups of 10, the sliding layers in 6
+    groups, the last holding 2 real layers and 8 padding ones. A block of a padded group reserves
+    memory for 10 layers, so the sliding layers' KV takes 60/52 of what they need: 8/52 = 15.4%
+    more (vLLM logs "may waste at most 15.38%"). gpt-oss (12 + 12 or 18 + 18) pads nothing.
+    """
+    types = attention_groups(spec)
+    fewest, most = min(n for _, n in types), max(n for _, n in types)
+    size = most if most < 1.5 * fewest else fewest
+    out = []
+    for attention, n in types:
+        groups = -(-n // size)
+        for i in range(groups):
+            real = len(range(i, n, groups))  # layers i, i + groups, ...: vLLM deals them round-robin
+            out.append(EqualPageGroup(attention, real, size - real))
+    return out
