@@ -198,20 +198,35 @@ def test_batch_and_event_layout_as_vllm_decodes_it():
 
 
 def test_first_block_of_a_prompt_goes_out_with_a_null_parent():
-    """pagedkv chains a prompt's first block from a salt's root; vLLM sends a null parent there,
-    and Dynamo drops a stored event whose parent it never saw."""
+    """pagedkv chains a prompt's first block from the algorithm's root; vLLM sends a null parent
+    there, and Dynamo drops a stored event whose parent it never saw. A salt is a key of block 0,
+    not a root of its own, so a salted prompt's first block needs no ``roots`` argument either."""
     [ev] = _golden_events("stored_no_parent_sha256")
     case = CASES["stored_no_parent_sha256"]
     golden = _golden_bytes("stored_no_parent_sha256")
     root = BlockHasher("sha256").root(None)
     assert root in default_roots()
     assert encode_vllm([ev._replace(parent_block_hash=root)], case["timestamp"]) == golden
-    salted = BlockHasher("sha256").root("tenant-a")
-    as_salted = [ev._replace(parent_block_hash=salted)]
-    assert encode_vllm(as_salted, case["timestamp"]) != golden  # an unknown root is just a parent
-    roots = default_roots() | root_hashes("sha256", ["tenant-a"])
-    assert encode_vllm(as_salted, case["timestamp"], roots=roots) == golden
+    assert BlockHasher("sha256").root("tenant-a") == root
+    assert root_hashes("sha256", ["tenant-a", b"b", None]) == {root}
+    stranger = hashlib.sha256(b"a hash no event announced").digest()
+    as_child = [ev._replace(parent_block_hash=stranger)]
+    assert encode_vllm(as_child, case["timestamp"]) != golden  # an unknown hash is just a parent
+    assert encode_vllm(as_child, case["timestamp"], roots=default_roots() | {stranger}) == golden
     assert encode_vllm([ev._replace(parent_block_hash=root)], case["timestamp"], roots=()) != golden
+    with pytest.raises(ValueError, match="cache_salt"):
+        root_hashes("sha256", [3])
+
+
+def test_a_salted_prompts_first_block_has_a_nil_parent_on_the_wire():
+    """Issue 17: a salted prompt's first BlockStored named a salt-derived root that no event ever
+    announced, so a router that drops orphans (Dynamo) lost the whole prompt. Now it goes out
+    with a nil parent and the salt in its first block's extra keys, as vLLM 0.33 sends it."""
+    m = KVCacheManager(num_blocks=16, block_size=4)
+    m.add_sequence("s", list(range(100, 109)), cache_salt="tenant-a")
+    _, [wire], _ = decode_vllm(encode_vllm(m.take_events(), 1.0))
+    assert wire.parent_block_hash is None
+    assert wire.extra_keys == [("tenant-a",), None] and wire.lora_name is None
 
 
 @pytest.mark.parametrize("algo", ["xxh3", "builtin"])
