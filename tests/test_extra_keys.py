@@ -324,3 +324,27 @@ def test_a_hit_means_equal_tokens_adapter_salt_and_items(reqs):
             ident = _block_identity(tokens, kw, i)
             assert owner.setdefault(b, ident) == ident, "a block served K/V of another identity"
     m.check_invariants()
+
+
+# ---- the fleet's precise router ----------------------------------------------------------------------
+
+
+def test_precise_router_indexes_keyed_events_by_hash():
+    """The fleet's precise router decodes the new fields and indexes by hash: a replica holding
+    a prompt under an adapter is not a match for the same ids without it (the router hashes
+    plain tokens), while the replica holding the plain prompt is."""
+    pytest.importorskip("msgspec")
+    from pagedkv.events import encode_vllm, hash_to_u64
+    from pagedkv.sim.routers import PrefixAwareRouter
+
+    router = PrefixAwareRouter(block_size=BS)
+    router.bind(["lora", "plain"])
+    prompt = toks(100, 17)
+    for j, kw in enumerate([dict(lora_name="sql", mm_features=[("img", 1, 3)], cache_salt="t"), {}]):
+        m = KVCacheManager(16, BS)
+        m.add_sequence("r", prompt, **kw)
+        events = m.take_events()
+        router.on_events(j, encode_vllm(events, 1.0))
+        assert router.blocks_held(j) == {hash_to_u64(h) for h in hashes_of(events)}
+    assert router.match_blocks(prompt) == [0, 4]
+    assert router.blocks_held(0).isdisjoint(router.blocks_held(1))
