@@ -295,10 +295,13 @@ class BlockHasher:
         return [p := hash((p, key + data[i : i + block_bytes])) for i in stops]
 
     def chain_keyed(self, parent: Hashable, data: bytes, block_bytes: int, first: int, n: int,
-                    keys: ExtraKeys) -> list:
-        """Like :meth:`chain`, for blocks ``first .. first + n - 1`` of a request with extra keys:
-        ``data`` holds those blocks' token bytes, and each block's key suffix (if any) is
-        appended to its bytes before it is hashed."""
+                    keys: ExtraKeys | None) -> list:
+        """Like :meth:`chain`, for blocks ``first .. first + n - 1`` of a request with extra keys
+        ``keys`` (None: a plain request, hashed by :meth:`chain`): ``data`` holds those blocks'
+        token bytes, and each block's key suffix (if any) is appended to its bytes before it is
+        hashed."""
+        if keys is None:
+            return self.chain(parent, data, block_bytes, n)
         digest, block_key = self.digest, keys.block_key
         out = []
         p = parent

@@ -437,10 +437,7 @@ class KVCacheManager:
             if hashes is not None:
                 memo.move_to_end(key)
                 return hashes if remember else hashes.copy()
-        if keys is None:
-            hashes = self._hasher.chain(self._root, data, 4 * self._bs, nfull)
-        else:
-            hashes = self._hasher.chain_keyed(self._root, data, 4 * self._bs, 0, nfull, keys)
+        hashes = self._hasher.chain_keyed(self._root, data, 4 * self._bs, 0, nfull, keys)
         if remember and nfull <= HASH_MEMO_BLOCKS:
             memo[key] = hashes
             self._memo_blocks += nfull
@@ -683,10 +680,7 @@ class KVCacheManager:
             if nfull > first:
                 parent = s.hashes[-1] if first else self._root
                 data = _le_bytes(s.tokens[first * bs : nfull * bs])
-                if s.keys is None:
-                    s.hashes += self._hasher.chain(parent, data, 4 * bs, nfull - first)
-                else:
-                    s.hashes += self._hasher.chain_keyed(parent, data, 4 * bs, first, nfull - first, s.keys)
+                s.hashes += self._hasher.chain_keyed(parent, data, 4 * bs, first, nfull - first, s.keys)
                 self._publish_run(s, first, nfull)
         if n % bs and self._pool.refcount(s.table[-1]) == 1:
             s.nxt = s.table[-1] * bs + n % bs
@@ -1263,10 +1257,7 @@ class KVCacheManager:
         for sid, s in self._seqs.items():
             nfull = (len(s.tokens) - s.drafts) // bs
             data = _le_bytes(s.tokens[: nfull * bs])
-            if s.keys is None:
-                expect = self._hasher.chain(self._root, data, 4 * bs, nfull)
-            else:
-                expect = self._hasher.chain_keyed(self._root, data, 4 * bs, 0, nfull, s.keys)
+            expect = self._hasher.chain_keyed(self._root, data, 4 * bs, 0, nfull, s.keys)
             _require(s.hashes == expect, f"sequence {sid!r}: stored hashes are not its tokens' hashes")
             offered = (s.computed - s.drafts) // bs
             for i, b in enumerate(s.table):
