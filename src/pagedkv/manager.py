@@ -576,7 +576,7 @@ class KVCacheManager:
             keys = s.keys
             self._cache.publish(s.table[first:stop], s.hashes[first:stop], parent,
                                 s.tokens[first * bs : stop * bs], bs,
-                                None if keys is None else [keys.block_key(i) for i in range(first, stop)])
+                                None if keys is None else keys.block_keys(first, stop))
             if self._write_through:
                 self._tier.published(s.table[first:stop], s.hashes[first:stop])
 
