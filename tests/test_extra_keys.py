@@ -348,3 +348,28 @@ def test_precise_router_indexes_keyed_events_by_hash():
         assert router.blocks_held(j) == {hash_to_u64(h) for h in hashes_of(events)}
     assert router.match_blocks(prompt) == [0, 4]
     assert router.blocks_held(0).isdisjoint(router.blocks_held(1))
+
+
+@settings(max_examples=200, deadline=None)
+@given(_requests(), st.sampled_from(["sha256", "builtin"]), st.integers(0, 3), st.integers(0, 8))
+def test_keyed_chain_is_the_per_block_definition(req, algo, first, extra_blocks):
+    """``chain_keyed`` (one inlined loop) and ``block_keys`` (the shared LoRA key, the touched
+    blocks on their own) give what the definition gives block by block: each block's hash is its
+    parent's chained with its token bytes and its key's suffix."""
+    tokens, kw = req
+    keys = ExtraKeys.make(BS, len(tokens), **kw)
+    if keys is None:
+        return
+    stop = len(tokens) // BS + extra_blocks
+    start = min(first, stop)
+    assert keys.block_keys(start, stop) == [keys.block_key(i) for i in range(start, stop)]
+    hasher = BlockHasher(algo)
+    data = token_bytes(tokens[: (len(tokens) // BS) * BS])
+    nfull = len(tokens) // BS
+    got = hasher.chain_keyed(hasher.root(), data, 4 * BS, 0, nfull, keys)
+    p, want = hasher.root(), []
+    for i in range(nfull):
+        k = keys.block_key(i)
+        p = hasher.block(p, data[i * 4 * BS : (i + 1) * 4 * BS] + (k.suffix if k else b""))
+        want.append(p)
+    assert got == want
