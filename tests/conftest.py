@@ -199,6 +199,20 @@ def stored_blocks(events):
     return out
 
 
+def stored_keys(events):
+    """One ``(hash, lora_name, extra keys entry)`` per block the BlockStored events publish, in
+    the order of :func:`stored_blocks` (the entry None when the event has no ``extra_keys``)."""
+    from pagedkv import BlockStored
+
+    out = []
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            assert ev.extra_keys is None or len(ev.extra_keys) == len(ev.block_hashes), ev
+            for i, h in enumerate(ev.block_hashes):
+                out.append((h, ev.lora_name, ev.extra_keys[i] if ev.extra_keys is not None else None))
+    return out
+
+
 def removed_hashes(events) -> list:
     from pagedkv import BlockRemoved
 

@@ -11,8 +11,18 @@ wheel downloaded without dependencies (``pip download vllm==0.33.0 --no-deps``) 
 default); Python-int hashes, which vLLM never has, through pagedkv's rule ``h & (2**64 - 1)``.
 The inputs are real pagedkv sha256 and xxh3-128 chained digests of tokens 1000..1063 (four
 16-token blocks, unsalted). Two cases (``decode_only``) hold what vLLM sends and pagedkv never
-does: LoRA fields, ``group_idx``, ``extra_keys``, ``session_id``, and raw-bytes hashes. Only the
-bytes and their inputs are committed, never vLLM's code or the script that loaded it.
+does: ``lora_id``, ``group_idx``, ``session_id``, and raw-bytes hashes. Only the bytes and their
+inputs are committed, never vLLM's code or the script that loaded it.
+
+The two ``keyed_*`` cases (issue 17) hold blocks with extra keys: a LoRA request salted
+``"tenant-a"`` with two images (a prompt run and a decode-filled block), and a salted prompt next
+to one whose image spans exactly block 1. Their hashes, tokens and LoRA names are a real pagedkv
+manager's; each block's ``extra_keys`` entry is what vLLM 0.33's own
+``generate_block_hash_extra_keys`` gives for the same request (loaded from the same wheel's
+``vllm/v1/core/kv_cache_utils.py``, with a stand-in request carrying ``mm_features``,
+``lora_request`` and ``cache_salt``), turned into the published form by its own
+``to_event_extra_keys``; the events were built as vLLM's ``BlockPool`` builds them
+(``lora_id=None``: pagedkv has no adapter ids) and encoded as above.
 """
 from __future__ import annotations
 
@@ -23,6 +33,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -40,6 +51,7 @@ from pagedkv.events import (  # noqa: E402
     default_roots,
     encode_vllm,
     hash_to_u64,
+    offset_endpoint,
     root_hashes,
 )
 from pagedkv.hashing import BlockHasher, token_bytes  # noqa: E402
@@ -82,7 +94,12 @@ def _event(spec):
     if kind == "BlockStored":
         cls = {None: BlockStored, "CPU": CPUStored}[spec.get("medium")]
         hashes = tuple(_hash(h) for h in spec["block_hashes"])
-        return cls(hashes, _hash(spec["parent_block_hash"]), tuple(spec["token_ids"]), spec["block_size"])
+        ev = cls(hashes, _hash(spec["parent_block_hash"]), tuple(spec["token_ids"]), spec["block_size"])
+        if spec.get("extra_keys") is not None:  # JSON lists back to the tuples pagedkv emits
+            extra = tuple(None if e is None else tuple(tuple(k) if isinstance(k, list) else k for k in e)
+                          for e in spec["extra_keys"])
+            ev = ev._replace(lora_name=spec.get("lora_name"), extra_keys=extra)
+        return ev
     if kind == "BlockRemoved":
         cls = {None: BlockRemoved, "CPU": CPURemoved, "GPU": GPURemoved}[spec.get("medium")]
         return cls(tuple(_hash(h) for h in spec["block_hashes"]))
@@ -198,20 +215,35 @@ def test_batch_and_event_layout_as_vllm_decodes_it():
 
 
 def test_first_block_of_a_prompt_goes_out_with_a_null_parent():
-    """pagedkv chains a prompt's first block from a salt's root; vLLM sends a null parent there,
-    and Dynamo drops a stored event whose parent it never saw."""
+    """pagedkv chains a prompt's first block from the algorithm's root; vLLM sends a null parent
+    there, and Dynamo drops a stored event whose parent it never saw. A salt is a key of block 0,
+    not a root of its own, so a salted prompt's first block needs no ``roots`` argument either."""
     [ev] = _golden_events("stored_no_parent_sha256")
     case = CASES["stored_no_parent_sha256"]
     golden = _golden_bytes("stored_no_parent_sha256")
     root = BlockHasher("sha256").root(None)
     assert root in default_roots()
     assert encode_vllm([ev._replace(parent_block_hash=root)], case["timestamp"]) == golden
-    salted = BlockHasher("sha256").root("tenant-a")
-    as_salted = [ev._replace(parent_block_hash=salted)]
-    assert encode_vllm(as_salted, case["timestamp"]) != golden  # an unknown root is just a parent
-    roots = default_roots() | root_hashes("sha256", ["tenant-a"])
-    assert encode_vllm(as_salted, case["timestamp"], roots=roots) == golden
+    assert BlockHasher("sha256").root("tenant-a") == root
+    assert root_hashes("sha256", ["tenant-a", b"b", None]) == {root}
+    stranger = hashlib.sha256(b"a hash no event announced").digest()
+    as_child = [ev._replace(parent_block_hash=stranger)]
+    assert encode_vllm(as_child, case["timestamp"]) != golden  # an unknown hash is just a parent
+    assert encode_vllm(as_child, case["timestamp"], roots=default_roots() | {stranger}) == golden
     assert encode_vllm([ev._replace(parent_block_hash=root)], case["timestamp"], roots=()) != golden
+    with pytest.raises(ValueError, match="cache_salt"):
+        root_hashes("sha256", [3])
+
+
+def test_a_salted_prompts_first_block_has_a_nil_parent_on_the_wire():
+    """Issue 17: a salted prompt's first BlockStored named a salt-derived root that no event ever
+    announced, so a router that drops orphans (Dynamo) lost the whole prompt. Now it goes out
+    with a nil parent and the salt in its first block's extra keys, as vLLM 0.33 sends it."""
+    m = KVCacheManager(num_blocks=16, block_size=4)
+    m.add_sequence("s", list(range(100, 109)), cache_salt="tenant-a")
+    _, [wire], _ = decode_vllm(encode_vllm(m.take_events(), 1.0))
+    assert wire.parent_block_hash is None
+    assert wire.extra_keys == [("tenant-a",), None] and wire.lora_name is None
 
 
 @pytest.mark.parametrize("algo", ["xxh3", "builtin"])
@@ -219,6 +251,121 @@ def test_default_roots_cover_every_algorithm(algo):
     if algo == "xxh3":
         pytest.importorskip("xxhash")
     assert BlockHasher(algo).root(None) in default_roots()
+
+
+# ---------------------------------------------------------------- vLLM's own decoder structure
+# vLLM 0.33.0's KV event structs (vllm/distributed/kv_events.py of the 0.33.0 wheel), restated
+# here field by field: tagged maps with omitted defaults, a positional batch. Decoding pagedkv's
+# bytes with these is what a vLLM-based consumer does.
+
+ExternalBlockHash = bytes | int
+
+
+class VllmKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class VllmBlockStored(VllmKVCacheEvent, tag="BlockStored"):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class VllmBlockRemoved(VllmKVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class VllmAllBlocksCleared(VllmKVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class VllmKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+def _vllm_decode(payload):
+    return msgspec.msgpack.Decoder(VllmKVEventBatch).decode(payload)
+
+
+def test_keyed_events_decode_with_vllms_structs_to_what_vllm_sends():
+    """Issue 17: a LoRA request with an image and a salt, prefilled, then decoding past a block,
+    then a host offload: each BlockStored decodes with vLLM's own structure to the fields vLLM
+    0.33 sends for that request: nil parent for the first block, ``lora_name`` on every event,
+    one ``extra_keys`` entry per block (the LoRA name; ``[mm_hash, offset]`` for each block the
+    image's span 6..25 touches, offset relative to the block's start; the salt in block 0)."""
+    m = KVCacheManager(num_blocks=6, block_size=8, host_blocks=8)
+    prompt = list(range(100, 132))  # 4 blocks of 8
+    m.add_sequence("r", prompt, cache_salt="tenant-a", lora_name="sql", mm_features=[("img-1", 6, 20)])
+    for t in range(8):
+        m.append_token("r", 500 + t)  # fills block 4: generated, keyed by the adapter alone
+    m.free("r")
+    m.add_sequence("evict", list(range(900, 945)))  # takes every block: r's 5 go to the host
+    m.take_transfers()
+    payload = encode_vllm(m.take_events(), 5.0, 2)
+    batch = _vllm_decode(payload)
+    assert batch.data_parallel_rank == 2
+    stored = [e for e in batch.events if isinstance(e, VllmBlockStored) and e.lora_name is not None]
+    gpu = [e for e in stored if e.medium == "GPU"]
+    cpu = [e for e in stored if e.medium == "CPU"]
+    want = [("sql", ["img-1", 6], "tenant-a"), ("sql", ["img-1", -2]), ("sql", ["img-1", -10]),
+            ("sql", ["img-1", -18]), ("sql",)]
+    assert [len(e.block_hashes) for e in gpu] == [4, 1]
+    assert gpu[0].parent_block_hash is None and gpu[1].parent_block_hash == gpu[0].block_hashes[-1]
+    assert [k for e in gpu for k in e.extra_keys] == want
+    assert {(e.lora_id, e.lora_name, e.block_size, e.group_idx) for e in stored} == {(None, "sql", 8, None)}
+    assert [e.token_ids for e in gpu] == [prompt, list(range(500, 508))]
+    # the host republishes them, parents first, keys and all: one chained run
+    assert [h for e in cpu for h in e.block_hashes] == [h for e in gpu for h in e.block_hashes]
+    assert [k for e in cpu for k in e.extra_keys] == want and cpu[0].parent_block_hash is None
+    # pagedkv's own decoder agrees with vLLM's on every field
+    _, ours, _ = decode_vllm(payload)
+    assert [msgspec.structs.asdict(e) for e in ours] == [msgspec.structs.asdict(e) for e in batch.events]
+
+
+def test_plain_events_leave_extra_keys_out_as_the_golden_bytes_do():
+    """A request without extra keys: no ``lora_name``, no ``extra_keys`` on the wire (vLLM 0.33
+    sends a list of nils there; both read as 'no block has keys')."""
+    m = KVCacheManager(num_blocks=8, block_size=4)
+    m.add_sequence("p", list(range(9)))
+    payload = encode_vllm(m.take_events(), 1.0)
+    [ev] = _vllm_decode(payload).events
+    assert (ev.lora_name, ev.extra_keys, ev.parent_block_hash) == (None, None, None)
+    [raw] = msgspec.msgpack.decode(payload)[1]
+    assert list(raw) == STORED_KEYS
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ("sql", "extra_keys must be None or one entry per block"),
+        ((("sql",),), "1 entries for 2 blocks"),
+        ((("sql",), "sql"), "each extra_keys entry must be None or a tuple"),
+    ],
+)
+def test_encode_rejects_malformed_extra_keys(extra, match):
+    ev = BlockStored((1, 2), None, tuple(range(8)), 4, "GPU", "sql", extra)
+    with pytest.raises(ValueError, match=match):
+        encode_vllm([ev], 1.0)
+    with pytest.raises(ValueError, match="lora_name must be None or a str"):
+        encode_vllm([BlockStored((1,), None, (1, 2, 3, 4), 4, "GPU", 7)], 1.0)
 
 
 # ---------------------------------------------------------------- decoding
@@ -238,12 +385,17 @@ def _expected(spec):
         out["block_size"] = spec["block_size"]
         out["lora_id"] = spec.get("lora_id")
         out["lora_name"] = spec.get("lora_name")
+        if "extra_keys" in spec:  # decoded: each entry a tuple, an (mm_hash, offset) pair a list
+            extra = spec["extra_keys"]
+            out["extra_keys"] = None if extra is None else [None if e is None else tuple(e) for e in extra]
     return out
 
 
-def _as_dict(ev):
+def _as_dict(ev, spec):
     d = {"type": type(ev).__name__.removeprefix("Wire")}
     d.update({k: getattr(ev, k) for k in ev.__struct_fields__ if k in STORED_KEYS})
+    if "extra_keys" in spec:
+        d["extra_keys"] = ev.extra_keys
     return d
 
 
@@ -252,7 +404,7 @@ def test_decode_gives_back_the_events_with_u64_hashes(name):
     case = CASES[name]
     ts, events, rank = decode_vllm(_golden_bytes(name))
     assert ts == case["timestamp"] and rank == case["data_parallel_rank"]
-    assert [_as_dict(e) for e in events] == [_expected(s) for s in case["events"]]
+    assert [_as_dict(e, s) for e, s in zip(events, case["events"], strict=True)] == [_expected(s) for s in case["events"]]
 
 
 def test_decode_keeps_the_fields_vllm_adds():
@@ -543,6 +695,63 @@ def _until_live(pub, sub, out, first, limit=2000):
         i += 1
     return i
 
+
+@pytest.mark.parametrize(
+    "endpoint, rank, expected",
+    [
+        ("tcp://*:5557", None, "tcp://*:5557"),
+        ("tcp://*:5557", 0, "tcp://*:5557"),
+        ("tcp://*:5557", 3, "tcp://*:5560"),
+        ("tcp://127.0.0.1:6000", 1, "tcp://127.0.0.1:6001"),
+        ("tcp://[::1]:6000", 2, "tcp://[::1]:6002"),
+        ("tcp://127.0.0.1:*", 4, "tcp://127.0.0.1:*"),  # the OS picks a free port per rank anyway
+        ("inproc://kv", 2, "inproc://kv_dp2"),
+        ("ipc:///tmp/kv", 1, "ipc:///tmp/kv_dp1"),
+    ],
+)
+def test_offset_endpoint_as_vllms_publisher(endpoint, rank, expected):
+    """vLLM's ZmqEventPublisher offsets its endpoints by the data-parallel rank, so one setting
+    serves every rank; pagedkv's does the same (and suffixes ipc paths, which vLLM refuses)."""
+    assert offset_endpoint(endpoint, rank) == expected
+
+
+def test_publisher_binds_its_rank_offset_ports(tmp_path):
+    """Issue 17: KVEventPublisher ignored the rank for its ports; two ranks configured alike
+    collided on one port. Now rank r binds base + r, for the replay socket too."""
+    base = _free_port_pair()
+    endpoint, replay = f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 2}"
+    with KVEventPublisher(endpoint, replay, data_parallel_rank=0) as r0, \
+            KVEventPublisher(endpoint, replay, data_parallel_rank=1) as r1:
+        assert (r0.endpoint, r0.replay_endpoint) == (endpoint, replay)
+        assert (r1.endpoint, r1.replay_endpoint) == (f"tcp://127.0.0.1:{base + 1}", f"tcp://127.0.0.1:{base + 3}")
+    path = tmp_path / "kv"
+    with KVEventPublisher(f"ipc://{path}", data_parallel_rank=5) as pub:
+        assert pub.endpoint == f"ipc://{path}_dp5"
+    with pytest.raises(ValueError, match="past port 65535"):
+        KVEventPublisher("tcp://127.0.0.1:65535", data_parallel_rank=1)
+
+
+def _free_port_pair() -> int:
+    """A port p such that p .. p + 3 are free now (as far as one can tell without holding them)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as s0:
+            s0.bind(("127.0.0.1", 0))
+            base = s0.getsockname()[1]
+        if base + 3 > 65535:
+            continue
+        ok = True
+        for k in range(1, 4):
+            with socket.socket() as s1:
+                try:
+                    s1.bind(("127.0.0.1", base + k))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    pytest.skip("no four consecutive free ports")
 
 def test_publish_frames_as_vllm():
     """Three frames (topic, 8-byte big-endian seq, payload), read with a bare SUB socket."""

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from pagedkv import AllBlocksCleared, BlockRemoved, BlockStored, OutOfBlocks
-from conftest import removed_hashes, snapshot, stored_blocks, toks
+from conftest import removed_hashes, snapshot, stored_blocks, stored_keys, toks
 
 
 def hashes_of(events):
@@ -298,7 +298,8 @@ def test_cow_copy_published_when_filled(make):
 
 def test_cache_salt_isolation(make):
     """Different salts never share a block, even with identical prompts; the same salt does;
-    a salted prompt does not hit an unsalted one."""
+    a salted prompt does not hit an unsalted one. As in vLLM, the salt is a key of block 0 (its
+    event's ``extra_keys``), not a root of its own: every first block names the same parent."""
     m = make(32, 4)
     m.add_sequence("a", toks(0, 9), cache_salt="t1")
     assert m.add_sequence("b", toks(0, 9), cache_salt="t2") == 0
@@ -307,11 +308,13 @@ def test_cache_salt_isolation(make):
     assert m.block_table("d")[:2] == m.block_table("a")[:2]
     assert set(m.block_table("b")).isdisjoint(m.block_table("a"))
     assert set(m.block_table("c")).isdisjoint(m.block_table("a") + m.block_table("b"))
-    ev = stored_blocks(m.take_events())
+    events = m.take_events()
+    ev = stored_blocks(events)
     assert len(ev) == 6  # a, b and c each publish 2 blocks; d publishes nothing new
     assert len({h for h, _, _ in ev}) == 6
     roots = [ev[0][1], ev[2][1], ev[4][1]]
-    assert len(set(roots)) == 3
+    assert len(set(roots)) == 1
+    assert [k for _, _, k in stored_keys(events)] == [("t1",), None, ("t2",), None, None, None]
 
 
 def test_forked_child_keeps_parent_salt(make):

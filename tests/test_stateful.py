@@ -89,7 +89,7 @@ from pagedkv import (
     KVCacheManager,
     OutOfBlocks,
 )
-from conftest import STATEFUL_FACTOR, snapshot, snapshot_v2, stored_blocks
+from conftest import STATEFUL_FACTOR, snapshot, snapshot_v2, stored_blocks, stored_keys
 
 VOCAB = 4
 _rng = random.Random(1234)
@@ -219,9 +219,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.router: set = set()  # hashes the events say are in the device's cache ("GPU")
         self.router_cpu: set = set()  # ... and in the host tier's ("CPU")
         self.known: set = set()  # every block hash ever published
-        self.chain: dict = {}  # (parent hash, block tokens) -> hash, learnt from events
-        self.roots: dict = {}  # salt -> root hash, learnt from events
-        self.root_salt: dict = {}  # root hash -> salt
+        self.chain: dict = {}  # (parent hash, block tokens, extra keys) -> hash, learnt from events
+        self.root = None  # the one hash every first block is chained from, learnt from events
         self.hash_node: dict = {}  # hash -> provenance id of its block's last position
         self.next_id = 0
         self.freed_ids: list[int] = []
@@ -541,9 +540,9 @@ class ManagerMachine(RuleBasedStateMachine):
                 p = ev.parent_block_hash
                 assert p in self.router or p in self.router_cpu or cpu_at.get(p, -1) < k, (
                     "the host published a child before its parent")
-                for h, parent, blk in stored_blocks([ev]):
+                for (h, parent, blk), (_, _, extra) in zip(stored_blocks([ev]), stored_keys([ev])):
                     assert h not in self.router_cpu, "the host published a hash it holds"
-                    assert self.chain.get((parent, blk)) == h, (
+                    assert self.chain.get((parent, blk, extra)) == h, (
                         "the host published a block the device never did")
                     self.router_cpu.add(h)
                     self.cpu_new.append(h)
@@ -554,19 +553,19 @@ class ManagerMachine(RuleBasedStateMachine):
             elif isinstance(ev, BlockStored):
                 assert self.caching and ev.medium == "GPU"
                 assert ev.block_size == bs
-                for h, parent, blk in stored_blocks([ev]):
+                for (h, parent, blk), (_, _, extra) in zip(stored_blocks([ev]), stored_keys([ev])):
                     assert h not in self.router, "published a hash the cache already holds"
                     assert len(blk) == bs
                     root = parent not in self.known
-                    match = [c for c in cands if c[2] == blk and (c[1] == 0) == root]
-                    assert match, f"published {blk} (root={root}), not a block this call completed"
+                    match = [c for c in cands if c[2] == blk and (c[1] == 0) == root
+                             and self.extra(self.salt[c[0]], c[1]) == extra]
+                    assert match, f"published {blk} (root={root}, keys {extra}), not a block this call completed"
                     cands.remove(match[0])
-                    salts = {self.salt[c[0]] for c in match}
-                    if root and len(salts) == 1:
-                        self.learn_root(salts.pop(), parent)
-                    prev = self.chain.setdefault((parent, blk), h)
-                    assert prev == h, "the same (parent, tokens) hashed differently"
-                    self.learn_node(h, parent, blk)
+                    if root:
+                        self.learn_root(parent)
+                    prev = self.chain.setdefault((parent, blk, extra), h)
+                    assert prev == h, "the same (parent, tokens, extra keys) hashed differently"
+                    self.learn_node(h, parent, blk, extra)
                     self.known.add(h)
                     self.router.add(h)
                     self.wt_new[h] = True
@@ -606,7 +605,7 @@ class ManagerMachine(RuleBasedStateMachine):
         for sid, i in completed:
             parent = self.chain_parent(sid, i)
             blk = tuple(self.model[sid][i * bs : (i + 1) * bs])
-            assert parent is None or (parent, blk) in self.chain, (
+            assert parent is None or (parent, blk, self.extra(self.salt[sid], i)) in self.chain, (
                 f"block {i} of {sid} is complete but was never published")
         if self.hb and self.caching and evicting and evicted:
             event("eviction forgotten: no host block to spare")
@@ -624,15 +623,16 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         for i in blocks:
             parent = self.chain_parent(sid, i)
-            h = self.chain.get((parent, tuple(self.model[sid][i * self.bs : (i + 1) * self.bs])))
+            blk = tuple(self.model[sid][i * self.bs : (i + 1) * self.bs])
+            h = self.chain.get((parent, blk, self.extra(self.salt[sid], i)))
             assert h is None or h in self.router, f"block {i} of {sid} is not findable on the device"
 
-    def learn_node(self, h, parent, blk):
+    def learn_node(self, h, parent, blk, extra):
         """The provenance id of the last position of the block ``h`` names, from its parent's
-        (or, for a block 0, its salt's root) and its tokens."""
+        (or, for a block 0, the root and the salt its extra keys carry) and its tokens."""
         node = self.hash_node.get(parent)
-        if node is None and parent in self.root_salt:
-            node = self.trie.get(("salt", self.root_salt[parent]))
+        if node is None and parent == self.root:
+            node = self.trie.get(("salt", extra[0] if extra else None))
         for t in blk:
             if node is None:
                 return
@@ -642,21 +642,26 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def chain_parent(self, sid, i):
         """The hash block ``i`` of ``sid`` chains from, as the events taught it; None if unknown."""
-        bs, tokens = self.bs, self.model[sid]
-        parent = self.roots.get(self.salt[sid])
+        bs, tokens, salt = self.bs, self.model[sid], self.salt[sid]
+        parent = self.root
         for j in range(i):
             if parent is None:
                 return None
-            parent = self.chain.get((parent, tuple(tokens[j * bs : (j + 1) * bs])))
+            parent = self.chain.get((parent, tuple(tokens[j * bs : (j + 1) * bs]), self.extra(salt, j)))
         return parent
 
-    def learn_root(self, salt, root):
-        """Hashes chain from a root that is a function of the salt alone: one root per salt,
-        different salts never share one."""
-        known = self.roots.setdefault(salt, root)
-        assert known == root, f"two roots for salt {salt!r}"
-        assert list(self.roots.values()).count(root) == 1, "two salts share a root"
-        self.root_salt[root] = salt
+    @staticmethod
+    def extra(salt, i):
+        """The extra keys the events carry for block ``i`` of a prompt salted ``salt`` (vLLM's
+        form): the salt in block 0's entry, no entry elsewhere (the chain carries it on)."""
+        return (salt,) if i == 0 and salt is not None else None
+
+    def learn_root(self, root):
+        """Every first block is chained from one root, salted or not (the salt is a key of the
+        block, as in vLLM): two roots would mean a salt had become a root again."""
+        if self.root is None:
+            self.root = root
+        assert self.root == root, "two first blocks chained from different roots"
 
     def expected_hit(self, prompt, salt):
         """The longest run of the prompt's full blocks whose hashes the device's cache holds,
@@ -665,14 +670,14 @@ class ManagerMachine(RuleBasedStateMachine):
         if not (self.caching and self.events):
             return None
         bs, cap = self.bs, (len(prompt) - 1) // self.bs
-        parent, k = self.roots.get(salt), 0
-        if parent is None:  # no first block under this salt was ever published
+        parent, k = self.root, 0
+        if parent is None:  # no first block was ever published
             return 0, 0
         runs = []
         for router in (self.router, self.router_cpu):
             start = k
             while k < cap:
-                h = self.chain.get((parent, tuple(prompt[k * bs : (k + 1) * bs])))
+                h = self.chain.get((parent, tuple(prompt[k * bs : (k + 1) * bs]), self.extra(salt, k)))
                 if h is None or h not in router:
                     break
                 parent, k = h, k + 1

@@ -9,8 +9,9 @@ two is the order in which things happened.
 Two costs are kept off the hot paths:
 
 * a ``BlockStored`` is queued raw, as a plain tuple ``(hashes, parent, token array slice, block
-  size, medium)``; its tuple of Python ints is built when the events are taken, not on the
-  admission or decode path that published the block;
+  size, medium)`` (and, for blocks with extra keys, the LoRA name and the per-block
+  ``extra_keys``: seven fields); its tuple of Python ints is built when the events are taken, not
+  on the admission or decode path that published the block;
 * consecutive evictions from one medium fold into one ``BlockRemoved`` (an admission that evicts
   50 blocks is one event, not 50).
 """
@@ -77,4 +78,6 @@ class EventLog:
         if self._removed:
             self._flush_removed()
         events, self._events = self._events, []
-        return [BlockStored(e[0], e[1], tuple(e[2]), e[3], e[4]) if type(e) is tuple else e for e in events]
+        return [(BlockStored(e[0], e[1], tuple(e[2]), e[3], e[4]) if len(e) == 5
+                 else BlockStored(e[0], e[1], tuple(e[2]), *e[3:])) if type(e) is tuple else e
+                for e in events]

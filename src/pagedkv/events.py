@@ -16,8 +16,16 @@ encoder in the tests:
   events, and the data-parallel rank or nil);
 * each event is a msgpack *map* whose first key ``"type"`` names it. ``BlockStored`` carries
   ``block_hashes``, ``parent_block_hash``, ``token_ids``, ``block_size``, ``lora_id``, ``medium``,
-  ``lora_name`` in that order, nil included (vLLM's decoder requires every one of them);
-  ``BlockRemoved`` carries ``block_hashes`` and ``medium``; ``AllBlocksCleared`` nothing;
+  ``lora_name`` in that order, nil included (vLLM's decoder requires every one of them), then,
+  for blocks of a request with extra keys (LoRA, multimodal items, salt), ``extra_keys``: one
+  entry per block, nil for a block without keys, else an array of the LoRA name, one
+  ``[mm_hash, offset]`` pair per multimodal item the block touches and the salt (block 0 only),
+  untagged, as vLLM 0.33's ``to_event_extra_keys`` publishes them; ``lora_name`` is the adapter
+  (``lora_id``, which vLLM keeps only for old consumers, stays nil: pagedkv has no adapter ids).
+  A request without extra keys leaves ``extra_keys`` out, where vLLM 0.33 sends an array of nils:
+  both mean "no block has extra keys" to a consumer, and every such event stays byte for byte
+  what the golden cases hold. ``BlockRemoved`` carries ``block_hashes`` and ``medium``;
+  ``AllBlocksCleared`` nothing;
 * block hashes are unsigned 64-bit integers.
 
 Hashes to u64 (:func:`hash_to_u64`): a bytes digest (sha256's 32 bytes, xxh3-128's 16) maps the
@@ -30,12 +38,12 @@ recompute them from tokens. Truncating to 64 bits leaves a collision chance of a
 n²/2**65 among n distinct blocks: one in 10**7 for two million cached blocks.
 
 Parents: vLLM sends a null ``parent_block_hash`` for the first block of a prompt; pagedkv chains
-that block from a root hash derived from the request's ``cache_salt``, which no ``BlockStored``
-ever announces. Dynamo's radix tree drops a stored event whose parent it does not know, so a root
-parent goes on the wire as nil. Which hashes are roots is the ``roots`` argument: by default the
-unsalted root of each hash algorithm; an engine whose requests carry salts passes
-``root_hashes(algo, salts)``. Every other ``BlockStored`` carries its parent's u64 hash and its
-blocks' token ids, so a router that rehashes tokens itself (llm-d and Dynamo do) can index it.
+that block from one root hash per algorithm (salted or not: the salt is a key of block 0, as in
+vLLM), which no ``BlockStored`` ever announces. Dynamo's radix tree drops a stored event whose
+parent it does not know, so a root parent goes on the wire as nil. Which hashes are roots is the
+``roots`` argument: by default the root of each hash algorithm (:func:`default_roots`). Every other
+``BlockStored`` carries its parent's u64 hash and its blocks' token ids (and extra keys), so a
+router that rehashes tokens itself (llm-d and Dynamo do) can index it.
 
 Worked example (sha256, block size 16)::
 
@@ -93,6 +101,7 @@ __all__ = [
     "default_roots",
     "encode_vllm",
     "hash_to_u64",
+    "offset_endpoint",
     "root_hashes",
 ]
 
@@ -150,9 +159,10 @@ def _wire() -> SimpleNamespace:
             ("lora_id", Union[int, None]),
             ("medium", Union[str, None]),
             ("lora_name", Union[str, None]),
-            # vLLM's optional fields: never set by pagedkv, kept when decoding vLLM's own events.
-            # Their count matters to the bytes: with 16 possible entries msgspec writes this
-            # map's header as map16 (0xde 0x00 0x08), as vLLM does, not as a fixmap (0x88).
+            # vLLM's optional fields: pagedkv sets extra_keys alone (for blocks with extra keys);
+            # the others are kept when decoding vLLM's own events. Their count matters to the
+            # bytes: with 16 possible entries msgspec writes this map's header as map16
+            # (0xde 0x00 0x08), as vLLM does, not as a fixmap (0x88).
             ("extra_keys", Union[list[Union[tuple, None]], None], None),
             ("group_idx", Union[int, None], None),
             ("kv_cache_spec_kind", Union[str, None], None),
@@ -256,10 +266,12 @@ def _u64_list(hashes: Iterable) -> list[int]:
 
 
 def root_hashes(hash_algo: str = "sha256", salts: Iterable = (None,)) -> frozenset:
-    """The root hashes a prompt's first block is chained from, one per ``cache_salt``.
+    """The root hashes a prompt's first block is chained from, for requests with ``salts``.
 
-    Pass them (unioned with :func:`default_roots` when unsalted requests exist too) as ``roots``
-    so that the first block of a salted prompt goes on the wire with a null parent, as in vLLM.
+    Since the salt is a key of block 0 (as in vLLM) rather than a root of its own, this is one
+    hash per algorithm whatever the salts, already in :func:`default_roots`: a salted prompt's
+    first block goes on the wire with a null parent with no ``roots`` argument. Kept for callers
+    that pass it; each salt is still validated (ValueError unless None, str or bytes).
     """
     hasher = BlockHasher(hash_algo)
     return frozenset(hasher.root(s) for s in salts)
@@ -307,6 +319,23 @@ def _medium(event: Any) -> str:
     return medium
 
 
+def _extra_keys(extra: Any, n: int) -> list | None:
+    """A ``BlockStored``'s ``extra_keys`` for the wire: None, or one entry per block, each None or
+    a tuple (of str, bytes, ints and ``(mm_hash, offset)`` pairs); ValueError otherwise."""
+    if extra is None:
+        return None
+    if isinstance(extra, (str, bytes, bytearray)) or not isinstance(extra, (list, tuple)):
+        raise ValueError(f"extra_keys must be None or one entry per block, got {type(extra).__name__}")
+    if len(extra) != n:
+        raise ValueError(f"extra_keys has {len(extra)} entries for {n} blocks")
+    out = []
+    for entry in extra:
+        if entry is not None and not isinstance(entry, (list, tuple)):
+            raise ValueError(f"each extra_keys entry must be None or a tuple, got {type(entry).__name__}")
+        out.append(None if entry is None else tuple(entry))
+    return out
+
+
 def _stored_to_wire(ev: Any, roots: Any, w: SimpleNamespace, relayed: bool = False):
     hashes = _u64_list(ev.block_hashes)
     parent = ev.parent_block_hash
@@ -322,6 +351,9 @@ def _stored_to_wire(ev: Any, roots: Any, w: SimpleNamespace, relayed: bool = Fal
     if len(tokens) != len(hashes) * bs:
         n = len(hashes)
         raise ValueError(f"a BlockStored of {n} blocks of {bs} tokens needs {n * bs} token ids, got {len(tokens)}")
+    lora_name = getattr(ev, "lora_name", None)
+    if lora_name is not None and not isinstance(lora_name, str):
+        raise ValueError(f"lora_name must be None or a str, got {type(lora_name).__name__}")
     return w.BlockStored(
         hashes,
         None if is_root else hash_to_u64(parent),
@@ -329,7 +361,8 @@ def _stored_to_wire(ev: Any, roots: Any, w: SimpleNamespace, relayed: bool = Fal
         bs,
         getattr(ev, "lora_id", None),
         ev.medium if relayed else _medium(ev),
-        getattr(ev, "lora_name", None),
+        lora_name,
+        extra_keys=_extra_keys(getattr(ev, "extra_keys", None), len(hashes)),
     )
 
 
@@ -392,9 +425,11 @@ def decode_vllm(payload: bytes) -> tuple[float, list, int | None]:
 
     Events come back as ``WireBlockStored`` / ``WireBlockRemoved`` / ``WireAllBlocksCleared``
     (attributes named as on the wire), every hash a u64 int: raw digests, which vLLM sends when
-    its int-hash switch is off, are converted with :func:`hash_to_u64`. Fields vLLM adds that a
-    router does not need (``group_idx``, ``extra_keys``...) are ignored. Raises ValueError for a
-    payload that is not a well-formed batch.
+    its int-hash switch is off, are converted with :func:`hash_to_u64`. ``lora_name`` and
+    ``extra_keys`` (a list of per-block entries, each None or a tuple whose ``(mm_hash, offset)``
+    pairs decode as lists, as vLLM's own decoder gives them) come back as sent; other optional
+    fields (``group_idx``...) are kept too. Raises ValueError for a payload that is not a
+    well-formed batch.
     """
     w = _wire()
     if not isinstance(payload, (bytes, bytearray, memoryview)):
@@ -431,6 +466,31 @@ def _bind(zmq, sock, endpoint: Any, what: str) -> str:
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
+def offset_endpoint(endpoint: Any, data_parallel_rank: int | None) -> Any:
+    """``endpoint`` for the publisher of data-parallel rank ``data_parallel_rank``, as vLLM's
+    ``ZmqEventPublisher.offset_endpoint_port`` computes it, so that every rank of one deployment
+    can be configured with the same endpoint and subscribers find rank r at port base + r.
+
+    Rank None or 0: unchanged. ``tcp://host:PORT``: the port plus the rank
+    (``tcp://*:5557`` for rank 2 -> ``tcp://*:5559``); a wildcard port (``tcp://127.0.0.1:*``)
+    stays as it is, since the OS gives each rank a free port anyway. ``inproc://NAME`` gets
+    ``_dp{rank}`` appended, as in vLLM; so does ``ipc://PATH`` (vLLM refuses ipc endpoints with a
+    rank above 0; a suffixed path keeps the ranks apart the same way). ValueError for a port that
+    would pass 65535. Anything else (a non-str endpoint) is returned for the bind to refuse.
+    """
+    if not data_parallel_rank or not isinstance(endpoint, str):
+        return endpoint
+    if endpoint.startswith(("inproc://", "ipc://")):
+        return f"{endpoint}_dp{data_parallel_rank}"
+    base, sep, port = endpoint.rpartition(":")
+    if endpoint.startswith("tcp://") and sep and port.isdigit():
+        new = int(port) + data_parallel_rank
+        if new > 65535:
+            raise ValueError(f"data-parallel rank {data_parallel_rank} puts {endpoint!r} past port 65535")
+        return f"{base}:{new}"
+    return endpoint
+
+
 class KVEventPublisher:
     """Publishes event batches with vLLM's framing; optionally answers replay requests.
 
@@ -442,6 +502,10 @@ class KVEventPublisher:
     ``endpoint`` / ``replay_endpoint`` read back the bound address, so ``tcp://127.0.0.1:*``
     takes a free port. Defaults are vLLM's: ``tcp://*:5557``, 10,000 buffered batches, high-water
     mark 100,000, topic ``""``. ``publish`` may be called from several threads.
+
+    ``data_parallel_rank`` is stamped on every batch and, as vLLM's publisher does, offsets both
+    endpoints (:func:`offset_endpoint`): with the defaults, rank 0 binds port 5557 and rank 3 port
+    5560, so one configuration serves every rank of a data-parallel deployment.
     """
 
     def __init__(
@@ -477,9 +541,9 @@ class KVEventPublisher:
         try:
             self._pub = self._socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, hwm)
-            self.endpoint = _bind(zmq, self._pub, endpoint, "KV event PUB")
+            self.endpoint = _bind(zmq, self._pub, offset_endpoint(endpoint, data_parallel_rank), "KV event PUB")
             if replay_endpoint is not None:
-                self._start_replay(replay_endpoint, buffer_steps)
+                self._start_replay(offset_endpoint(replay_endpoint, data_parallel_rank), buffer_steps)
         except BaseException:
             self._close_sockets()
             raise

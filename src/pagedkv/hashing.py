@@ -1,10 +1,16 @@
 """Chained block hashes: the identity of a full block's content *and everything before it*.
 
-Block i's hash is ``H(hash of block i-1, token ids of block i)``, and block 0 is chained from a
-root derived from the request's ``cache_salt``. Chaining is what makes a hash lookup a *prefix*
-lookup: two blocks with the same 16 tokens but different histories get different hashes, so a hit
-on block i implies that blocks 0..i-1 are identical too. Seeding the root with the salt keeps
-tenants apart: with different salts, no block of one can ever hit for the other.
+Block i's hash is ``H(hash of block i-1, token ids of block i, extra keys of block i)``, and
+block 0 is chained from one fixed root. Chaining is what makes a hash lookup a *prefix* lookup: two
+blocks with the same 16 tokens but different histories get different hashes, so a hit on block i
+implies that blocks 0..i-1 are identical too.
+
+Extra keys (:class:`ExtraKeys`, vLLM v1's ``generate_block_hash_extra_keys``) cover what token ids
+alone do not say about K/V: the LoRA adapter (in every block's key: the same tokens through another
+adapter give other K/V), each multimodal item whose placeholder span touches the block (its content
+hash and its offset from the block's start: the placeholder tokens are the same for every image),
+and the request's ``cache_salt`` (in block 0's key only; chaining carries it to every later block).
+A block without any keeps the plain hash, so requests without extra keys pay nothing.
 
 Three algorithms, one interface:
 
@@ -21,17 +27,22 @@ Three algorithms, one interface:
   Hashes are therefore never stable across processes, even with ``PYTHONHASHSEED`` fixed.
 
 Tokens are hashed as little-endian uint32 (``array('I')``), 4 bytes a token: 64 bytes for a
-16-token block, plus the 32-byte parent digest for sha256.
+16-token block, plus the 32-byte parent digest for sha256. A block's extra keys are appended to its
+token bytes in a self-delimiting form (a tag byte, a length, the bytes; see :class:`BlockKey`), so
+a keyed block's input is longer than any plain block's and two different key lists never give the
+same bytes.
 """
 from __future__ import annotations
 
 import hashlib
+import operator
 import os
 import sys
 from array import array
-from typing import Any, Callable, Hashable, Sequence
+from bisect import bisect_right
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
-__all__ = ["ALGORITHMS", "BlockHasher", "token_bytes", "MAX_TOKEN_ID"]
+__all__ = ["ALGORITHMS", "BlockHasher", "BlockKey", "ExtraKeys", "token_bytes", "MAX_TOKEN_ID"]
 
 ALGORITHMS = ("sha256", "xxh3", "builtin")
 MAX_TOKEN_ID = 2**32 - 1  # token ids are stored as uint32 (every engine's vocabulary fits)
@@ -58,25 +69,211 @@ def token_bytes(tokens: Sequence[int]) -> bytes:
     return buf.tobytes()
 
 
-def _salt_bytes(salt: Any) -> bytes:
-    if salt is None:
-        return b"pagedkv/no-salt"
-    if isinstance(salt, str):
-        return b"pagedkv/salt/str/" + salt.encode("utf-8")
-    if isinstance(salt, (bytes, bytearray)):
-        return b"pagedkv/salt/bytes/" + bytes(salt)
+_ROOT_BYTES = b"pagedkv/no-salt"  # what the root digest is taken of (the name predates salt keys)
+
+
+def check_salt(salt: Any) -> str | bytes | None:
+    """A ``cache_salt`` as it is keyed: None, a str, or bytes (a bytearray becomes its bytes)."""
+    if salt is None or isinstance(salt, (str, bytes)):
+        return salt
+    if isinstance(salt, bytearray):
+        return bytes(salt)
     raise ValueError(f"cache_salt must be None, str or bytes, got {type(salt).__name__}")
 
 
+# ---- extra keys ------------------------------------------------------------------------------
+
+_TAG_LORA, _TAG_MM, _TAG_SALT = b"\x01", b"\x02", b"\x03"
+
+
+def _field(value: str | bytes) -> bytes:
+    """A str or bytes value, self-delimiting: its kind, its length (4 bytes), its bytes."""
+    if isinstance(value, str):
+        data = value.encode("utf-8")
+        return b"s" + len(data).to_bytes(4, "little") + data
+    return b"b" + len(value).to_bytes(4, "little") + value
+
+
+class BlockKey(NamedTuple):
+    """Everything a block's hash covers beyond its parent and its tokens, in two forms.
+
+    ``suffix``: the bytes appended to the block's token bytes when it is hashed: for each key, a
+    tag byte (1 LoRA, 2 multimodal item, 3 salt), then its fields self-delimited (kind, 4-byte
+    length, bytes; a multimodal offset as 8 signed bytes). ``event``: the same keys as vLLM 0.33
+    publishes them in ``BlockStored.extra_keys``, untagged and in vLLM's order: the LoRA name, one
+    ``(mm_hash, offset)`` pair per item the block touches (the item's start relative to the
+    block's, negative when it began in an earlier block), the salt. ``lora_name``: the adapter, for
+    the event's own ``lora_name`` field.
+
+    Example (block size 4, LoRA ``"sql"``, an image ``"img"`` at positions 2..9, salt ``"t"``):
+    block 0's event keys are ``("sql", ("img", 2), "t")``, block 1's ``("sql", ("img", -2))``,
+    block 3's ``("sql",)``.
+    """
+
+    suffix: bytes
+    lora_name: str | None
+    event: tuple
+
+
+class ExtraKeys:
+    """One request's keys beyond its tokens: a LoRA name, multimodal items, a cache salt.
+
+    ``mm_features`` lists ``(mm_hash, offset, length)`` per item: the hash of the item's content
+    (str or bytes, as vLLM's ``identifier``), and its placeholder span, ``length`` positions from
+    ``offset``. Spans lie within the prompt, sorted, and never overlap (vLLM's ``mm_features``
+    are sorted by position and its placeholders disjoint). Every argument is validated here:
+    ValueError names what is wrong. ``block_key(i)`` answers for any block, generated ones too
+    (they carry the LoRA name); a block with no key gets None, and hashes as a plain block.
+
+    Built by :meth:`make`, which returns None for a request with no extra keys at all: the
+    manager's plain path then never looks here.
+    """
+
+    __slots__ = ("lora_name", "mm_features", "cache_salt", "ident", "_bs", "_lora", "_mm_ends", "_mm_fields",
+                 "_keyed")
+
+    def __init__(self, block_size: int, num_tokens: int, lora_name: str | None = None,
+                 mm_features: Any = None, cache_salt: Any = None) -> None:
+        if lora_name is not None and (not isinstance(lora_name, str) or not lora_name):
+            raise ValueError(f"lora_name must be None or a non-empty str, got {lora_name!r}")
+        salt = check_salt(cache_salt)
+        self.lora_name = lora_name
+        self.cache_salt = salt
+        self.mm_features = _check_mm(mm_features, num_tokens)
+        self._bs = block_size
+        self._lora = BlockKey(_TAG_LORA + _field(lora_name), lora_name, (lora_name,)) if lora_name else None
+        self._mm_ends = [off + n for _, off, n in self.mm_features]
+        self._mm_fields = [_TAG_MM + _field(h) for h, _, _ in self.mm_features]
+        # block index -> its own key, for the blocks an item touches and a salted block 0: built
+        # once, then shared by the hashing and the publishing of the block
+        self._keyed: dict[int, BlockKey] = {}
+        # what the lookup memo keys on: equal idents give equal keys for every block
+        self.ident = (lora_name, self.mm_features, None if salt is None else (type(salt), salt))
+
+    @classmethod
+    def make(cls, block_size: int, num_tokens: int, lora_name: str | None = None,
+             mm_features: Any = None, cache_salt: Any = None) -> "ExtraKeys | None":
+        """The request's extra keys, or None when it has none (no LoRA, no items, no salt)."""
+        if lora_name is None and cache_salt is None and (mm_features is None or _empty(mm_features)):
+            return None
+        return cls(block_size, num_tokens, lora_name, mm_features, cache_salt)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ExtraKeys) and self.ident == other.ident and self._bs == other._bs
+
+    def __hash__(self) -> int:
+        return hash(self.ident)
+
+    def __repr__(self) -> str:
+        return (f"ExtraKeys(lora_name={self.lora_name!r}, mm_features={list(self.mm_features)!r}, "
+                f"cache_salt={self.cache_salt!r})")
+
+    def block_keys(self, first: int, stop: int) -> list:
+        """The keys of blocks ``first .. stop - 1``: the shared LoRA key (or None) everywhere,
+        then each block an item touches, and block 0 when salted, computed on its own. A
+        1,000-token prompt under an adapter is one list repeat, not 62 calls."""
+        out = [self._lora] * (stop - first)
+        touched = set()
+        bs = self._bs
+        for (_, off, n), end in zip(self.mm_features, self._mm_ends):
+            lo, hi = max(off // bs, first), min((end - 1) // bs + 1, stop)
+            touched.update(range(lo, hi))
+        if first == 0 < stop and self.cache_salt is not None:
+            touched.add(0)
+        for i in touched:
+            out[i - first] = self.block_key(i)
+        return out
+
+    def block_key(self, i: int) -> BlockKey | None:
+        """Block ``i``'s key (None when it has none). Example: with only a LoRA name, every
+        block shares one key; with only a salt, block 0 alone has one."""
+        start = i * self._bs
+        items = None
+        ends = self._mm_ends
+        if ends and start < ends[-1]:
+            stop = start + self._bs
+            j = bisect_right(ends, start)  # the first item ending after the block starts
+            feats = self.mm_features
+            while j < len(feats) and feats[j][1] < stop:
+                if items is None:
+                    items = []
+                items.append(j)
+                j += 1
+        if items is None and (i or self.cache_salt is None):
+            return self._lora
+        key = self._keyed.get(i)
+        if key is not None:
+            return key
+        lora = self._lora
+        parts = [lora.suffix] if lora else []
+        event = [self.lora_name] if lora else []
+        for j in items or ():
+            h, off, _ = self.mm_features[j]
+            parts.append(self._mm_fields[j] + (off - start).to_bytes(8, "little", signed=True))
+            event.append((h, off - start))
+        if not i and self.cache_salt is not None:
+            parts.append(_TAG_SALT + _field(self.cache_salt))
+            event.append(self.cache_salt)
+        key = self._keyed[i] = BlockKey(b"".join(parts), self.lora_name, tuple(event))
+        return key
+
+
+def _empty(mm_features: Any) -> bool:
+    try:
+        return len(mm_features) == 0
+    except TypeError:
+        return False  # not a sized collection: let the validator say what is wrong
+
+
+def _check_mm(mm_features: Any, num_tokens: int) -> tuple:
+    """``mm_features`` as a tuple of ``(hash, offset, length)`` tuples, validated."""
+    if mm_features is None:
+        return ()
+    if isinstance(mm_features, (str, bytes, bytearray, dict)) or not isinstance(mm_features, (list, tuple)):
+        raise ValueError(f"mm_features must be a list of (mm_hash, offset, length), got {type(mm_features).__name__}")
+    out = []
+    end = 0
+    for item in mm_features:
+        if not isinstance(item, (list, tuple)) or len(item) != 3:
+            raise ValueError(f"each mm_features entry must be (mm_hash, offset, length), got {item!r}")
+        h, off, n = item
+        if isinstance(h, bytearray):
+            h = bytes(h)
+        if not isinstance(h, (str, bytes)) or not h:
+            raise ValueError(f"an mm_hash must be a non-empty str or bytes, got {h!r}")
+        off, n = _position(off, "offset"), _position(n, "length")
+        if n < 1:
+            raise ValueError(f"multimodal item {h!r}: length must be at least 1, got {n}")
+        if off < end:
+            raise ValueError(f"multimodal item {h!r} at offset {off} overlaps or precedes the one before "
+                             f"(which ends at {end}): spans must be sorted and disjoint")
+        if off + n > num_tokens:
+            raise ValueError(f"multimodal item {h!r} spans positions {off}..{off + n - 1}, "
+                             f"past the prompt's {num_tokens} tokens")
+        end = off + n
+        out.append((h, off, n))
+    return tuple(out)
+
+
+def _position(value: Any, what: str) -> int:
+    if isinstance(value, (bool, float)) or not hasattr(value, "__index__"):
+        raise ValueError(f"a multimodal {what} must be an int, got {value!r}")
+    value = operator.index(value)
+    if value < 0:
+        raise ValueError(f"a multimodal {what} must be >= 0, got {value}")
+    return value
+
+
 class BlockHasher:
-    """Computes root and chained block hashes with one algorithm.
+    """Computes the root and chained block hashes with one algorithm.
 
     ``chain(parent, data, block_bytes, n)`` hashes ``n`` consecutive blocks of ``data`` in one
     call: a loop specialised per algorithm, so a 2,048-token prompt (128 blocks) costs one Python
-    call and 128 digests rather than 128 method calls.
+    call and 128 digests rather than 128 method calls. ``chain_keyed`` does the same for a request
+    with extra keys.
     """
 
-    __slots__ = ("name", "digest", "_roots")
+    __slots__ = ("name", "digest", "_root")
 
     def __reduce__(self):  # the digest is a closure: rebuild it from the algorithm's name
         return (type(self), (self.name,))
@@ -86,21 +283,16 @@ class BlockHasher:
             raise ValueError(f"hash_algo must be one of {ALGORITHMS}, got {algo!r}")
         self.name = algo
         self.digest = _make_digest(algo)  # digest(parent, data): one chained block hash
-        self._roots: dict[Any, Hashable] = {}
+        self._root = self.digest(None, _ROOT_BYTES)
 
     def root(self, salt: Any = None) -> Hashable:
-        """The parent hash of a prompt's first block, a function of the salt alone."""
-        if isinstance(salt, bytearray):
-            salt = bytes(salt)
-        elif salt is not None and not isinstance(salt, (str, bytes)):
-            raise ValueError(f"cache_salt must be None, str or bytes, got {type(salt).__name__}")
-        key = (type(salt), salt) if salt is not None else None
-        r = self._roots.get(key)
-        if r is None:
-            r = self.digest(None, _salt_bytes(salt))
-            if len(self._roots) < 4096:  # salts are few in practice; never grow without bound
-                self._roots[key] = r
-        return r
+        """The parent hash of every prompt's first block: one per algorithm (and, for
+        ``builtin``, per process). A ``cache_salt`` is validated (ValueError unless None, str or
+        bytes) but no longer changes the root: it is in block 0's extra keys, as in vLLM, so a
+        salted prompt's first block is chained from the same root as any other and goes on the
+        wire with a null parent."""
+        check_salt(salt)
+        return self._root
 
     def block(self, parent: Hashable, data: bytes) -> Hashable:
         """Hash of one block's token bytes chained from ``parent``."""
@@ -125,6 +317,28 @@ class BlockHasher:
             return [p := xxh(p + data[i : i + block_bytes]) for i in stops]
         key = _PROCESS_SECRET
         return [p := hash((p, key + data[i : i + block_bytes])) for i in stops]
+
+    def chain_keyed(self, parent: Hashable, data: bytes, block_bytes: int, first: int, n: int,
+                    keys: ExtraKeys | None) -> list:
+        """Like :meth:`chain`, for blocks ``first .. first + n - 1`` of a request with extra keys
+        ``keys`` (None: a plain request, hashed by :meth:`chain`): ``data`` holds those blocks'
+        token bytes, and each block's key suffix (if any) is appended to its bytes before it is
+        hashed."""
+        if keys is None:
+            return self.chain(parent, data, block_bytes, n)
+        suffixes = [k.suffix if k is not None else b"" for k in keys.block_keys(first, first + n)]
+        rows = zip(range(0, n * block_bytes, block_bytes), suffixes)
+        p = parent
+        if self.name == "sha256":  # as chain(), one inlined loop per algorithm
+            sha = _sha256
+            return [p := sha(p + data[i : i + block_bytes] + suffix).digest() for i, suffix in rows]
+        if self.name == "xxh3":
+            import xxhash
+
+            xxh = xxhash.xxh3_128_digest
+            return [p := xxh(p + data[i : i + block_bytes] + suffix) for i, suffix in rows]
+        key = _PROCESS_SECRET
+        return [p := hash((p, key + data[i : i + block_bytes] + suffix)) for i, suffix in rows]
 
 
 def _make_digest(algo: str) -> Callable[[Any, bytes], Hashable]:

@@ -182,7 +182,7 @@ class HostTier:
             pool.release_all(keep)  # in the device's eviction order, its oldest first
         if n <= 0:
             return
-        self._cache.publish_chained([(hb, h, c[0], c[1]) for hb, (_, h, c) in zip(host, items)], self._bs)
+        self._cache.publish_chained([(hb, h, *c) for hb, (_, h, c) in zip(host, items)], self._bs)
         # the drain releases pins in list order, the first as the oldest: children before their
         # parents, so that the host evicts a chain's tail before its prefix
         self._pinned += host[::-1]
@@ -227,7 +227,7 @@ class HostTier:
             self._to_host.append(Transfer(TO_HOST, d, hb))
             self._store_src.add(d)
             if h is not None and self._cache is not None and self._cache.get(h) is None:
-                self._cache.publish([hb], [h], c[0], c[1], self._bs)
+                self._cache.publish([hb], [h], c[0], c[1], self._bs, c[2:] or None)
         self.to_host_count += n
         return host
 

@@ -37,7 +37,7 @@ from typing import Any, Collection, Hashable, Iterable, Sequence
 import numpy as np
 
 from .eventlog import EventLog
-from .hashing import MAX_TOKEN_ID, BlockHasher, token_bytes
+from .hashing import MAX_TOKEN_ID, BlockHasher, BlockKey, ExtraKeys, token_bytes
 from .host_tier import WRITE_POLICIES, HostTier
 from .pool import MAX_BLOCKS, BlockPool, as_int
 from .prefix_cache import PrefixCache
@@ -67,22 +67,23 @@ class _Seq:
     Both counters are 0 for a sequence in the plain decode loop, and the decode path never
     touches them. ``hashes`` holds the chained hashes of every full block of the non-draft
     tokens (for a prompt mid-prefill, also of blocks not yet scheduled: they are published as
-    chunks schedule them).
+    chunks schedule them). ``keys``: the request's extra keys (LoRA name, multimodal items,
+    salt; see :class:`~pagedkv.hashing.ExtraKeys`), None for a plain request.
 
     ``written``: how many leading blocks held K/V computed before this sequence was scheduled
     (its prefix hits, device and host; for a fork, the full blocks it shared with its parent,
     whose step wrote them). ``free(id, cache=False)`` unpublishes only the blocks after them.
     """
 
-    __slots__ = ("table", "tokens", "hashes", "root", "mirror", "nxt", "unscheduled", "drafts", "host",
+    __slots__ = ("table", "tokens", "hashes", "keys", "mirror", "nxt", "unscheduled", "drafts", "host",
                  "written")
 
-    def __init__(self, table: list, tokens: array, hashes: list, root: Hashable, mirror=None,
+    def __init__(self, table: list, tokens: array, hashes: list, keys: ExtraKeys | None, mirror=None,
                  nxt: int = -1, unscheduled: int = 0, written: int = 0) -> None:
         self.table = table
         self.tokens = tokens
         self.hashes = hashes
-        self.root = root
+        self.keys = keys
         # The table as int32 with spare capacity, which the kernel exports slice. Built on the
         # first export (many sequences never need one), then kept.
         self.mirror = mirror
@@ -218,6 +219,7 @@ class KVCacheManager:
             raise ValueError(f"host_write_policy must be one of {WRITE_POLICIES}, got {host_write_policy!r}")
         self._hasher = BlockHasher(hash_algo)
         self._digest = self._hasher.digest
+        self._root = self._hasher.root()  # every prompt's first block is chained from it
         # The manager passes the pool only blocks it was handed, so batch calls skip re-checking
         # ids; the tables' consistency is what check_invariants() proves.
         self._pool = BlockPool(num_blocks, check_args=False)
@@ -243,9 +245,10 @@ class KVCacheManager:
         self._copies: list[CopyOp] = []
         self._copy_dst: dict[int, int] = {}  # destination -> its source
         self._copy_src: dict[int, int] = {}  # source -> how many pending copies read it
-        # (root, sha256 of the prompt's bytes) -> its full blocks' chained hashes, computed by
-        # lookup and taken by the admission of the same prompt: a scheduler that looks a waiting
-        # request up every step hashes its prompt once, as vLLM keeps hashes on the request.
+        # (extra keys' identity or None, sha256 of the prompt's bytes) -> its full blocks' chained
+        # hashes, computed by lookup and taken by the admission of the same prompt: a scheduler
+        # that looks a waiting request up every step hashes its prompt once, as vLLM keeps hashes
+        # on the request.
         self._hash_memo: OrderedDict[tuple, list] = OrderedDict()
         self._memo_blocks = 0  # hashes held by the memo's entries
         self._cow_copies = 0
@@ -396,7 +399,8 @@ class KVCacheManager:
 
     # ---- admission ---------------------------------------------------------------------------
 
-    def lookup(self, prompt_ids: Sequence[int], cache_salt: Any = None) -> PrefixHit:
+    def lookup(self, prompt_ids: Sequence[int], cache_salt: Any = None, *, lora_name: str | None = None,
+               mm_features: Sequence[tuple] | None = None) -> PrefixHit:
         """How many prompt tokens ``add_sequence`` would serve from the cache now.
 
         Side-effect free: no LRU order, statistics or events change. A scheduler asks this to
@@ -404,16 +408,20 @@ class KVCacheManager:
         :class:`~pagedkv.types.PrefixHit`: an int, with ``.device`` and ``.host`` telling how
         many of the tokens are on the device and how many a host tier would load. Example
         (block size 16): a 40-token prompt whose first 32 tokens are cached -> 32.
+        ``cache_salt``, ``lora_name`` and ``mm_features`` are the request's extra keys, as
+        ``add_sequence`` takes them: only blocks published under the same keys hit.
         """
         tokens = _token_array(prompt_ids)
         n = len(tokens)
         if n == 0:
             raise ValueError("the prompt must have at least one token")
-        root = self._hasher.root(cache_salt)  # validates the salt either way
+        keys = None  # validated whether caching is on or not
+        if cache_salt is not None or lora_name is not None or mm_features is not None:
+            keys = ExtraKeys.make(self._bs, n, lora_name, mm_features, cache_salt)
         if self._cache is None:
             return PrefixHit(0)
         bs = self._bs
-        hashes = self._prompt_hashes(root, _le_bytes(tokens), n // bs, remember=True)
+        hashes = self._prompt_hashes(keys, _le_bytes(tokens), n // bs, remember=True)
         device, host = self._hits(hashes, (n - 1) // bs)
         return PrefixHit(len(device) * bs, len(host) * bs, self._pool.count_cached(device))
 
@@ -424,20 +432,21 @@ class KVCacheManager:
             return device, []
         return device, self._tier.longest_prefix(hashes[len(device) :], limit - len(device))
 
-    def _prompt_hashes(self, root: Hashable, data: bytes, nfull: int, remember: bool) -> list:
+    def _prompt_hashes(self, keys: ExtraKeys | None, data: bytes, nfull: int, remember: bool) -> list:
         """The chained hashes of a prompt's ``nfull`` full blocks, from the memo if a lookup
         computed them. ``remember`` (lookup) keeps what it computes there; an admission gets a
         copy (the list becomes the sequence's own, and a failed admission, retried next step,
-        still finds the entry). The memo key is a sha256 of the prompt's bytes, so equal keys
-        mean equal prompts whatever ``hash_algo`` is."""
+        still finds the entry). The memo key is the extra keys' identity (None for a plain
+        request) and a sha256 of the prompt's bytes, so equal keys mean equal prompts under equal
+        extra keys whatever ``hash_algo`` is."""
         memo = self._hash_memo
         if memo or remember:
-            key = (root, hashlib.sha256(data).digest())
+            key = (keys.ident if keys is not None else None, hashlib.sha256(data).digest())
             hashes = memo.get(key)
             if hashes is not None:
                 memo.move_to_end(key)
                 return hashes if remember else hashes.copy()
-        hashes = self._hasher.chain(root, data, 4 * self._bs, nfull)
+        hashes = self._hasher.chain_keyed(self._root, data, 4 * self._bs, 0, nfull, keys)
         if remember and nfull <= HASH_MEMO_BLOCKS:
             memo[key] = hashes
             self._memo_blocks += nfull
@@ -446,7 +455,8 @@ class KVCacheManager:
         return hashes
 
     def add_sequence(self, seq_id: Hashable, prompt_ids: Sequence[int], cache_salt: Any = None,
-                     prefill: int | None = None) -> int:
+                     prefill: int | None = None, *, lora_name: str | None = None,
+                     mm_features: Sequence[tuple] | None = None) -> int:
         """Admit a sequence with its prompt; returns how many prompt tokens the cache served.
 
         The longest run of cached full blocks from the start is shared (never the whole prompt:
@@ -459,6 +469,15 @@ class KVCacheManager:
         Example (block size 16, a 40-token prompt whose first 32 tokens are cached): returns 32;
         the table is [hit, hit, new]. With ``prefill=0`` the table is [hit, hit] and
         ``num_computed`` is 32.
+
+        Keys beyond tokens (vLLM v1's block-hash extra keys), so that equal token ids standing for
+        different K/V never share a block: ``lora_name`` (the adapter; in every block's key,
+        generated blocks too), ``mm_features`` (``[(mm_hash, offset, length), ...]``: each
+        multimodal item's content hash and placeholder span, sorted and disjoint, within the
+        prompt; in the key of each block the span touches), ``cache_salt`` (str or bytes; in
+        block 0's key, and through the chain in every later one). Example (block size 16): two
+        40-token prompts of equal ids with images ``"cat"`` and ``"dog"`` at positions 20..27
+        share block 0 and nothing after it.
         """
         if _known(self._seqs, seq_id):
             raise ValueError(f"sequence {seq_id!r} already exists")
@@ -468,13 +487,15 @@ class KVCacheManager:
             raise ValueError("the prompt must have at least one token")
         if prefill is not None:
             prefill = _count(prefill, "prefill")
+        keys = None  # validated whether caching is on or not
+        if cache_salt is not None or lora_name is not None or mm_features is not None:
+            keys = ExtraKeys.make(bs, n, lora_name, mm_features, cache_salt)
         cache = self._cache
         hashes: list = []
         hits: list[int] = []
-        root = self._hasher.root(cache_salt)  # validates the salt, cached or not
         loads: list[int] = []  # host blocks continuing the device hits
         if cache is not None:
-            hashes = self._prompt_hashes(root, _le_bytes(tokens), n // bs, remember=False)
+            hashes = self._prompt_hashes(keys, _le_bytes(tokens), n // bs, remember=False)
             hits, loads = self._hits(hashes, (n - 1) // bs)
         hit = (len(hits) + len(loads)) * bs
         computed = n if prefill is None else hit + min(prefill, n - hit)
@@ -489,7 +510,7 @@ class KVCacheManager:
                 table = hits + self._pool.allocate(need, acquire=hits)
             except OutOfBlocks as e:
                 raise OutOfBlocks(e.needed, e.available, f"admitting {seq_id!r}") from None
-        s = _Seq(table, tokens, hashes, root, unscheduled=n - computed, written=len(hits) + len(loads))
+        s = _Seq(table, tokens, hashes, keys, unscheduled=n - computed, written=len(hits) + len(loads))
         if cache is not None:
             self._publish_run(s, len(hits), computed // bs)
             cache.record_query(n, hit)
@@ -559,9 +580,11 @@ class KVCacheManager:
         """Offer the sequence's full blocks ``first..stop`` (chained) to the prefix cache."""
         if stop > first:
             bs = self._bs
-            parent = s.hashes[first - 1] if first else s.root
+            parent = s.hashes[first - 1] if first else self._root
+            keys = s.keys
             self._cache.publish(s.table[first:stop], s.hashes[first:stop], parent,
-                                s.tokens[first * bs : stop * bs], bs)
+                                s.tokens[first * bs : stop * bs], bs,
+                                None if keys is None else keys.block_keys(first, stop))
             if self._write_through:
                 self._tier.published(s.table[first:stop], s.hashes[first:stop])
 
@@ -663,9 +686,9 @@ class KVCacheManager:
             first = len(s.hashes)
             nfull = n // bs
             if nfull > first:
-                parent = s.hashes[-1] if first else s.root
-                s.hashes += self._hasher.chain(parent, _le_bytes(s.tokens[first * bs : nfull * bs]),
-                                               4 * bs, nfull - first)
+                parent = s.hashes[-1] if first else self._root
+                data = _le_bytes(s.tokens[first * bs : nfull * bs])
+                s.hashes += self._hasher.chain_keyed(parent, data, 4 * bs, first, nfull - first, s.keys)
                 self._publish_run(s, first, nfull)
         if n % bs and self._pool.refcount(s.table[-1]) == 1:
             s.nxt = s.table[-1] * bs + n % bs
@@ -867,21 +890,32 @@ class KVCacheManager:
     def _publish_filled(self, filled: Sequence[_Seq]) -> None:
         """Each sequence's last block just filled: hash it (chained), offer it to the cache.
 
-        One call per decode step, not per block.
+        One call per decode step, not per block. A sequence with extra keys (a LoRA adapter)
+        hashes its block's key with its tokens, and the cache is given every block's key.
         """
-        bs, digest = self._bs, self._digest
+        bs, digest, root = self._bs, self._digest, self._root
         blocks, hashes, parents, tokens = [], [], [], []
+        block_keys = None  # one key (or None) per block, once a filled sequence has extra keys
         for s in filled:
             block_tokens = s.tokens[-bs:]
             chain = s.hashes
-            parent = chain[-1] if chain else s.root
-            h = digest(parent, _le_bytes(block_tokens))
+            parent = chain[-1] if chain else root
+            if s.keys is None:
+                h = digest(parent, _le_bytes(block_tokens))
+            else:
+                key = s.keys.block_key(len(chain))
+                if block_keys is None:
+                    block_keys = [None] * len(blocks)
+                data = _le_bytes(block_tokens)
+                h = digest(parent, data + key.suffix if key is not None else data)
+            if block_keys is not None:
+                block_keys.append(None if s.keys is None else key)
             chain.append(h)
             blocks.append(s.table[-1])
             hashes.append(h)
             parents.append(parent)
             tokens.append(block_tokens)
-        self._cache.publish_blocks(blocks, hashes, parents, tokens, bs)
+        self._cache.publish_blocks(blocks, hashes, parents, tokens, bs, block_keys)
         if self._write_through:
             self._tier.published(blocks, hashes)
 
@@ -1025,7 +1059,7 @@ class KVCacheManager:
         p.nxt = -1  # the partial last block, if any, is shared now: the next write decides
         mirror = None if p.mirror is None else p.mirror.copy()
         # the parent's step wrote every block it shares: the child's full ones count as written
-        self._seqs[child_id] = _Seq(p.table.copy(), p.tokens[:], p.hashes.copy(), p.root, mirror,
+        self._seqs[child_id] = _Seq(p.table.copy(), p.tokens[:], p.hashes.copy(), p.keys, mirror,
                                     written=p.computed // self._bs)
         self._forks += 1
 
@@ -1252,10 +1286,12 @@ class KVCacheManager:
         self._check_copies()
         self._check_cache()
 
-    def _rehash(self, parent: Hashable, tokens: Sequence[int]) -> Hashable:
-        """One block's chained hash from its tokens, as every hash is computed (little-endian
-        uint32 bytes): what a cache's kept ``(parent, tokens)`` must give back, for the checks."""
-        return self._hasher.block(parent, token_bytes(tokens))
+    def _rehash(self, parent: Hashable, tokens: Sequence[int], key: BlockKey | None = None) -> Hashable:
+        """One block's chained hash from its tokens (and extra keys), as every hash is computed
+        (little-endian uint32 bytes, then the key's suffix): what a cache's kept
+        ``(parent, tokens[, key])`` must give back, for the checks."""
+        data = token_bytes(tokens)
+        return self._hasher.block(parent, data + key.suffix if key is not None else data)
 
     def _check_copies(self) -> None:
         dsts = [c.dst for c in self._copies]
@@ -1278,7 +1314,7 @@ class KVCacheManager:
         for sid, s in self._seqs.items():
             nfull = (len(s.tokens) - s.drafts) // bs
             data = _le_bytes(s.tokens[: nfull * bs])
-            expect = self._hasher.chain(s.root, data, 4 * bs, nfull)
+            expect = self._hasher.chain_keyed(self._root, data, 4 * bs, 0, nfull, s.keys)
             _require(s.hashes == expect, f"sequence {sid!r}: stored hashes are not its tokens' hashes")
             offered = (s.computed - s.drafts) // bs
             for i, b in enumerate(s.table):

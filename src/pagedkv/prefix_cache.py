@@ -21,6 +21,12 @@ so that it can file a released block as revivable and say which one it evicted. 
 * events (``BlockStored`` / ``BlockRemoved``, tagged with this cache's ``medium``), each carrying
   hashes, written to the manager's :class:`~pagedkv.eventlog.EventLog` so that an external router
   can mirror which prefixes each tier holds; and the hit statistics.
+
+Blocks of a request with extra keys (LoRA, multimodal items, salt) are published with one
+:class:`~pagedkv.hashing.BlockKey` (or None) per block: their ``BlockStored`` carries the LoRA name
+and the per-block ``extra_keys`` as vLLM 0.33 sends them, and their kept content is
+``(parent, tokens, key)`` instead of ``(parent, tokens)``, so that another tier republishes them
+with their keys and the checks rehash them with their keys. A call without keys costs what it did.
 """
 from __future__ import annotations
 
@@ -52,8 +58,9 @@ class PrefixCache:
         # block -> its hash. Empty in the common case, which then costs one truth test.
         self._twins: dict[Hashable, list[int]] | None = {} if track_twins else None
         self._twin_hash: dict[int, Hashable] = {}
-        # block -> (parent hash, its tokens) for every mapped block, kept only when another tier
-        # needs to republish a block it receives (a BlockStored names the parent and tokens).
+        # block -> (parent hash, its tokens[, its BlockKey]) for every mapped block, kept only when
+        # another tier needs to republish a block it receives (a BlockStored names the parent and
+        # tokens, and the keys of a keyed block).
         self._content: dict[int, tuple] | None = {} if keep_content else None
         self._log = log if log is not None and log.enabled else None  # None: record nothing
         self.medium = medium
@@ -101,11 +108,13 @@ class PrefixCache:
         parent: Hashable,
         tokens: Sequence[int],
         block_size: int,
+        keys: Sequence | None = None,
     ) -> None:
         """Make in-use ``blocks`` (a chain: ``hashes[i]`` chained from ``hashes[i-1]``) findable.
 
         ``parent`` is the hash ``hashes[0]`` was chained from; ``tokens`` the blocks' tokens,
-        concatenated. One ``BlockStored`` event per run of newly published blocks.
+        concatenated; ``keys`` one :class:`~pagedkv.hashing.BlockKey` or None per block (None:
+        no block has extra keys). One ``BlockStored`` event per run of newly published blocks.
         """
         if not blocks:
             return
@@ -114,9 +123,9 @@ class PrefixCache:
         held = list(map(self._map.setdefault, hashes, blocks))
         if held == blocks:  # the common case: all new, one run
             self._pool.set_keys(blocks, hashes)
-            self._stored(hashes, parent, tokens, block_size, 0, len(blocks))
+            self._stored(hashes, parent, tokens, block_size, 0, len(blocks), keys)
             if self._content is not None:
-                self._keep(blocks, hashes, parent, tokens, block_size, range(len(blocks)))
+                self._keep(blocks, hashes, parent, tokens, block_size, range(len(blocks)), keys)
             return
         new = [i for i, (b, k) in enumerate(zip(blocks, held)) if b == k]
         if self._twins is not None:
@@ -126,11 +135,11 @@ class PrefixCache:
         for i in new + [-1]:  # one event per run of consecutive new blocks
             if i != prev + 1:
                 if run_start >= 0:
-                    self._stored(hashes, parent, tokens, block_size, run_start, prev + 1)
+                    self._stored(hashes, parent, tokens, block_size, run_start, prev + 1, keys)
                 run_start = i
             prev = i
         if self._content is not None:
-            self._keep(blocks, hashes, parent, tokens, block_size, new)
+            self._keep(blocks, hashes, parent, tokens, block_size, new, keys)
 
     def _add_twins(self, blocks: Sequence[int], hashes: Sequence[Hashable], held: Sequence[int]) -> None:
         """Remember the blocks that were not published because ``held`` (the map's block for
@@ -190,22 +199,29 @@ class PrefixCache:
             kept.add(h)
         return kept
 
-    def _keep(self, blocks, hashes, parent, tokens, bs, indices) -> None:
+    def _keep(self, blocks, hashes, parent, tokens, bs, indices, keys) -> None:
         for i in indices:
-            self._content[blocks[i]] = (hashes[i - 1] if i else parent, tokens[i * bs : (i + 1) * bs])
+            content = (hashes[i - 1] if i else parent, tokens[i * bs : (i + 1) * bs])
+            if keys is not None and keys[i] is not None:
+                content += (keys[i],)
+            self._content[blocks[i]] = content
 
     def content_of(self, block: int) -> tuple:
-        """``(parent hash, tokens)`` of a mapped block (only with ``keep_content``)."""
+        """``(parent hash, tokens)`` of a mapped block, ``(parent hash, tokens, BlockKey)`` for a
+        block with extra keys (only with ``keep_content``)."""
         return self._content[block]
 
-    def publish_blocks(self, blocks: list, hashes: list, parents: list, tokens: list, block_size: int) -> None:
+    def publish_blocks(self, blocks: list, hashes: list, parents: list, tokens: list, block_size: int,
+                       keys: list | None = None) -> None:
         """Publish unrelated single blocks given as columns: block ``blocks[i]`` holds
-        ``tokens[i]`` and hashes to ``hashes[i]``, chained from ``parents[i]``. This is what one
-        decode step fills (one block in 16 of a batch at block size 16), one event each, in
-        order; a hash already mapped (here or earlier in the list) keeps its older block.
+        ``tokens[i]`` and hashes to ``hashes[i]``, chained from ``parents[i]``, with extra keys
+        ``keys[i]`` (``keys`` None: none has any). This is what one decode step fills (one block
+        in 16 of a batch at block size 16), one event each, in order; a hash already mapped (here
+        or earlier in the list) keeps its older block.
 
-        The common case (every hash new) runs in C-level passes: one ``setdefault`` probe a
-        hash, one update of the pool's keys, and the events' raw tuples zipped from the columns.
+        The common case (every hash new, no keys) runs in C-level passes: one ``setdefault``
+        probe a hash, one update of the pool's keys, and the events' raw tuples zipped from the
+        columns.
         """
         held = list(map(self._map.setdefault, hashes, blocks))
         if held != blocks:  # some hashes were mapped already: publish only the new ones
@@ -216,54 +232,73 @@ class PrefixCache:
                 return
             blocks, hashes = [blocks[i] for i in new], [hashes[i] for i in new]
             parents, tokens = [parents[i] for i in new], [tokens[i] for i in new]
+            if keys is not None:
+                keys = [keys[i] for i in new]
         self._pool.set_keys(blocks, hashes)
+        if keys is None:
+            if self._log is not None:
+                self._log.stored_many(zip(zip(hashes), parents, tokens, repeat(block_size), repeat(self.medium)))
+            if self._content is not None:
+                self._content.update(zip(blocks, zip(parents, tokens)))
+            return
         if self._log is not None:
-            self._log.stored_many(zip(zip(hashes), parents, tokens, repeat(block_size), repeat(self.medium)))
+            self._log.stored_many([_raw((h,), p, t, block_size, self.medium, (k,))
+                                   for h, p, t, k in zip(hashes, parents, tokens, keys)])
         if self._content is not None:
-            self._content.update(zip(blocks, zip(parents, tokens)))
+            self._content.update((b, (p, t) if k is None else (p, t, k))
+                                 for b, p, t, k in zip(blocks, parents, tokens, keys))
 
-    def publish_chained(self, entries: Sequence[tuple[int, Hashable, Hashable, Any]], block_size: int) -> None:
-        """Publish single blocks, each ``(block, hash, parent hash, its tokens)``, in the given
+    def publish_chained(self, entries: Sequence[tuple], block_size: int) -> None:
+        """Publish single blocks, each ``(block, hash, parent hash, its tokens)`` or, for a block
+        with extra keys, ``(block, hash, parent hash, its tokens, its BlockKey)``, in the given
         order (parents first: a router drops a block whose parent it was never told of), one
         ``BlockStored`` per run of consecutive entries that chain one from the next: blocks a
         host tier receives in one batch, as the device publishes a prompt's run in one event.
-        An entry whose hash is mapped already is skipped, and ends its run."""
+        An entry whose hash is mapped already is skipped, and ends its run; so does a change of
+        LoRA adapter (an event names one)."""
         m = self._map
         blocks, hashes = [], []
         log, content = self._log, self._content
         raw = [] if log is not None else None
         run_h: list = []
         run_t: list = []
+        run_k: list = []
         run_parent = None
-        for b, h, parent, tokens in entries:
+        for entry in entries:
+            b, h, parent, tokens = entry[:4]
+            key = entry[4] if len(entry) > 4 else None
             if h in m:
                 if run_h:
-                    raw.append(_run(run_h, run_parent, run_t, block_size, self.medium))
-                    run_h, run_t = [], []
+                    raw.append(_run(run_h, run_parent, run_t, block_size, self.medium, run_k))
+                    run_h, run_t, run_k = [], [], []
                 continue
             m[h] = b
             blocks.append(b)
             hashes.append(h)
             if content is not None:
-                content[b] = (parent, tokens)
+                content[b] = (parent, tokens) if key is None else (parent, tokens, key)
             if raw is not None:
-                if run_h and parent != run_h[-1]:
-                    raw.append(_run(run_h, run_parent, run_t, block_size, self.medium))
-                    run_h, run_t = [], []
+                if run_h and (parent != run_h[-1] or _lora(run_k[-1]) != _lora(key)):
+                    raw.append(_run(run_h, run_parent, run_t, block_size, self.medium, run_k))
+                    run_h, run_t, run_k = [], [], []
                 if not run_h:
                     run_parent = parent
                 run_h.append(h)
                 run_t.append(tokens)
+                run_k.append(key)
         if raw is not None and run_h:
-            raw.append(_run(run_h, run_parent, run_t, block_size, self.medium))
+            raw.append(_run(run_h, run_parent, run_t, block_size, self.medium, run_k))
         if blocks:
             self._pool.set_keys(blocks, hashes)
             if raw:
                 log.stored_many(raw)
 
-    def _stored(self, hashes, parent, tokens, bs, i, j) -> None:
+    def _stored(self, hashes, parent, tokens, bs, i, j, keys=None) -> None:
         if self._log is not None:
-            if i == 0 and j == len(hashes):  # the whole run: queue the caller's slice as it is
+            if keys is not None:
+                self._log.stored_many((_raw(tuple(hashes[i:j]), parent if i == 0 else hashes[i - 1],
+                                            tokens[i * bs : j * bs], bs, self.medium, keys[i:j]),))
+            elif i == 0 and j == len(hashes):  # the whole run: queue the caller's slice as it is
                 self._log.stored(tuple(hashes), parent, tokens, bs, self.medium)
             else:
                 self._log.stored(tuple(hashes[i:j]), parent if i == 0 else hashes[i - 1],
@@ -319,9 +354,9 @@ class PrefixCache:
 
     def check_invariants(self, block_hash: Callable[[Hashable, Any], Hashable] | None = None) -> None:
         """The hash map and the pool's keys are one bijection; with kept content and
-        ``block_hash(parent, tokens)`` (the owner's hash function: this cache never computes a
-        hash), every mapped block's kept tokens chained from its kept parent hash to the hash it
-        is mapped under. The content is what another tier republishes and what a router is told
+        ``block_hash(parent, tokens[, key])`` (the owner's hash function: this cache never
+        computes a hash), every mapped block's kept tokens (and extra keys) chained from its kept
+        parent hash to the hash it is mapped under. The content is what another tier republishes and what a router is told
         the block holds, so a block whose content is not what its hash names would serve, and
         advertise, someone else's KV."""
         if block_hash is not None and not callable(block_hash):
@@ -343,14 +378,30 @@ class PrefixCache:
                     raise AssertionError(f"twin {b}: free, published, or its hash is not mapped")
         if block_hash is not None and self._content is not None:
             for h, b in self._map.items():
-                parent, tokens = self._content[b]
-                if block_hash(parent, tokens) != h:
+                if block_hash(*self._content[b]) != h:
                     raise AssertionError(f"{self.medium} block {b}: its kept tokens, chained from its "
                                          f"kept parent, do not hash to the hash it is mapped under")
 
 
-def _run(hashes: list, parent: Hashable, tokens: list, block_size: int, medium: str) -> tuple:
+def _run(hashes: list, parent: Hashable, tokens: list, block_size: int, medium: str, keys: list) -> tuple:
     """One raw ``BlockStored`` for a chained run: its hashes, the first one's parent, every
-    block's tokens concatenated (a lone block's tokens as they are: no copy)."""
+    block's tokens concatenated (a lone block's tokens as they are: no copy), and the blocks'
+    extra keys when any has some."""
     joined = tokens[0] if len(tokens) == 1 else tuple(chain.from_iterable(tokens))
-    return (tuple(hashes), parent, joined, block_size, medium)
+    return _raw(tuple(hashes), parent, joined, block_size, medium, keys)
+
+
+def _lora(key) -> str | None:
+    return key.lora_name if key is not None else None
+
+
+def _raw(hashes: tuple, parent: Hashable, tokens, block_size: int, medium: str, keys) -> tuple:
+    """A raw ``BlockStored`` (see :class:`~pagedkv.eventlog.EventLog`): five fields, or seven
+    when a block has extra keys: then the run's LoRA name and one vLLM ``extra_keys`` entry per
+    block (None for a block without keys), as vLLM 0.33 publishes them. A run without any keys
+    leaves ``extra_keys`` out, which a consumer reads as every entry None."""
+    if not keys or not any(keys):
+        return (hashes, parent, tokens, block_size, medium)
+    lora = next((k.lora_name for k in keys if k is not None), None)
+    return (hashes, parent, tokens, block_size, medium, lora,
+            tuple(k.event if k is not None else None for k in keys))

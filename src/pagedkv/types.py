@@ -188,9 +188,16 @@ class Usage:
 class BlockStored(NamedTuple):
     """Full blocks were published to the prefix cache, in chain order.
 
-    ``parent_block_hash`` is the hash the first of ``block_hashes`` was chained from (the salt's
-    root hash for a prompt's first block); ``token_ids`` are all the blocks' tokens, concatenated.
-    Events are named tuples: immutable, and cheap enough to emit on the decode path.
+    ``parent_block_hash`` is the hash the first of ``block_hashes`` was chained from (for a
+    prompt's first block, the one root every prompt is chained from, salted or not, which
+    ``pagedkv.events`` sends as nil); ``token_ids`` are all the blocks' tokens, concatenated.
+    ``lora_name`` and ``extra_keys`` are set for blocks of a request with extra keys, as vLLM 0.33
+    sends them: the adapter's name, and one entry per block (None for a block without keys), each
+    a tuple of the LoRA name, ``(mm_hash, offset)`` pairs (the item's start relative to the
+    block's) and the salt (block 0 only), the keys the block's hash covers beyond its tokens.
+    Example: a LoRA ``"sql"`` request salted ``"t"`` publishing blocks 0 and 1 gives
+    ``lora_name="sql"`` and ``extra_keys=(("sql", "t"), ("sql",))``. Events are named tuples:
+    immutable, and cheap enough to emit on the decode path.
     """
 
     block_hashes: tuple
@@ -198,6 +205,8 @@ class BlockStored(NamedTuple):
     token_ids: tuple
     block_size: int
     medium: str = "GPU"  # where the blocks now live: "GPU" (the device) or "CPU" (the host tier)
+    lora_name: str | None = None
+    extra_keys: tuple | None = None
 
 
 class BlockRemoved(NamedTuple):
