@@ -325,6 +325,16 @@ class KVCacheManager:
 
     def block_table(self, seq_id: Hashable) -> list[int]:
         """Physical block ids of the sequence's scheduled positions, logical order."""
+        s = self._seq(seq_id)
+        if s.unscheduled:  # admitted with reserve=True: the reserved tail is not scheduled
+            return s.table[: -(-s.computed // self._bs)]
+        return list(s.table)
+
+    def reserved_table(self, seq_id: Hashable) -> list[int]:
+        """Every block the sequence holds, logical order: ``block_table(id)`` plus, for a prompt
+        admitted with ``reserve=True`` and not fully scheduled yet, the blocks reserved for its
+        unscheduled positions. Example (block size 16, a 40-token prompt admitted with
+        ``prefill=0, reserve=True``, nothing cached): ``block_table`` is [], this is [0, 1, 2]."""
         return list(self._seq(seq_id).table)
 
     def num_tokens(self, seq_id: Hashable) -> int:
@@ -455,7 +465,7 @@ class KVCacheManager:
         return hashes
 
     def add_sequence(self, seq_id: Hashable, prompt_ids: Sequence[int], cache_salt: Any = None,
-                     prefill: int | None = None, *, lora_name: str | None = None,
+                     prefill: int | None = None, reserve: bool = False, *, lora_name: str | None = None,
                      mm_features: Sequence[tuple] | None = None) -> int:
         """Admit a sequence with its prompt; returns how many prompt tokens the cache served.
 
@@ -466,9 +476,16 @@ class KVCacheManager:
         the hit blocks alone); ``prefill(id, n)`` schedules the next chunks. A block is published
         once every one of its positions is scheduled.
 
+        ``reserve=True`` (reserve now, publish as computed) takes blocks for every prompt
+        position at admission but schedules, and so publishes, only the first ``k``; later
+        ``prefill`` calls allocate nothing and cannot raise OutOfBlocks. That is the form of an
+        engine that holds a whole prompt's memory from admission (nano-vllm). With
+        ``prefill=None`` everything is scheduled anyway, and ``reserve`` changes nothing.
+
         Example (block size 16, a 40-token prompt whose first 32 tokens are cached): returns 32;
         the table is [hit, hit, new]. With ``prefill=0`` the table is [hit, hit] and
-        ``num_computed`` is 32.
+        ``num_computed`` is 32; with ``prefill=0, reserve=True`` too, and ``reserved_table`` is
+        [hit, hit, new].
 
         Keys beyond tokens (vLLM v1's block-hash extra keys), so that equal token ids standing for
         different K/V never share a block: ``lora_name`` (the adapter; in every block's key,
@@ -490,6 +507,8 @@ class KVCacheManager:
         keys = None  # validated whether caching is on or not
         if cache_salt is not None or lora_name is not None or mm_features is not None:
             keys = ExtraKeys.make(bs, n, lora_name, mm_features, cache_salt)
+        if reserve is not False and reserve is not True:
+            raise ValueError(f"reserve must be a bool, got {reserve!r}")
         cache = self._cache
         hashes: list = []
         hits: list[int] = []
@@ -499,7 +518,7 @@ class KVCacheManager:
             hits, loads = self._hits(hashes, (n - 1) // bs)
         hit = (len(hits) + len(loads)) * bs
         computed = n if prefill is None else hit + min(prefill, n - hit)
-        need = -(-computed // bs) - len(hits)
+        need = -(-(n if reserve else computed) // bs) - len(hits)
         if loads:
             table = hits + self._admit_with_loads(hits, loads, need, seq_id)
         elif self._copy_src:
@@ -524,9 +543,10 @@ class KVCacheManager:
     def prefill(self, seq_id: Hashable, n: int) -> np.ndarray:
         """Schedule the next ``n`` prompt positions (a chunk); returns their slots (np.int64).
 
-        Takes the blocks the chunk needs (atomic: OutOfBlocks changes nothing) and publishes
-        each block the chunk completes. ``n`` may not exceed the unscheduled rest of the
-        prompt; ``n = 0`` returns an empty array.
+        Takes the blocks the chunk needs (atomic: OutOfBlocks changes nothing; none for a
+        prompt admitted with ``reserve=True``, whose blocks are all taken) and publishes each
+        block the chunk completes. ``n`` may not exceed the unscheduled rest of the prompt;
+        ``n = 0`` returns an empty array.
         """
         s = self._seq(seq_id)
         n = _count(n, "n")
@@ -538,11 +558,11 @@ class KVCacheManager:
         bs = self._bs
         start = len(s.tokens) - rest
         stop = start + n
-        need = -(-stop // bs) - len(s.table)
-        if self._copy_src:
+        need = -(-stop // bs) - len(s.table)  # < 0 when blocks were reserved at admission
+        if need > 0 and self._copy_src:
             self._check_room(need, 0, f"prefilling {seq_id!r}")
             s.add_blocks(self._take(need, 0)[1])
-        else:
+        elif need > 0:
             try:
                 s.add_blocks(self._pool.allocate(need))
             except OutOfBlocks as e:
@@ -1144,10 +1164,15 @@ class KVCacheManager:
         pad = as_int(pad, "pad")
         if not -(2**31) <= pad < 2**31:
             raise ValueError(f"pad must fit in int32, got {pad}")
-        width = max((len(s.table) for s in ss), default=0)
+        if self._unready:  # a reserved tail (reserve=True) is not exported
+            bs = self._bs
+            rows = [s.int32_table()[: -(-s.computed // bs)] if s.unscheduled else s.int32_table() for s in ss]
+        else:
+            rows = [s.int32_table() for s in ss]
+        width = max(map(len, rows), default=0)
         out = np.full((len(ss), width), pad, dtype=np.int32)
-        for row, s in zip(out, ss):
-            row[: len(s.table)] = s.int32_table()
+        for row, r in zip(out, rows):
+            row[: len(r)] = r
         return out
 
     def flashinfer_layout(self, seq_ids: Sequence[Hashable]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -1158,17 +1183,22 @@ class KVCacheManager:
         A sequence with nothing scheduled has no pages and a last_page_len of 0.
         """
         ss = self._seq_list(seq_ids)
-        nblocks = np.fromiter((len(s.table) for s in ss), dtype=np.int32, count=len(ss))
+        bs = self._bs
+        if self._unready:  # positions not scheduled yet have no page, reserved (reserve=True) or not
+            tables = [s.int32_table()[: -(-s.computed // bs)] if s.unscheduled else s.int32_table() for s in ss]
+        else:
+            tables = [s.int32_table() for s in ss]
+        nblocks = np.fromiter(map(len, tables), dtype=np.int32, count=len(ss))
         indptr = np.zeros(len(ss) + 1, dtype=np.int32)
         np.cumsum(nblocks, out=indptr[1:])
         if ss:
-            indices = np.concatenate([s.int32_table() for s in ss])
+            indices = np.concatenate(tables)
         else:
             indices = np.empty(0, dtype=np.int32)
         ntok = np.fromiter((len(s.tokens) for s in ss), dtype=np.int32, count=len(ss))
-        if self._unready:  # positions not scheduled yet have no page
+        if self._unready:
             ntok -= np.fromiter((s.unscheduled for s in ss), dtype=np.int32, count=len(ss))
-        last_page_len = np.minimum(ntok, (ntok - 1) % self._bs + 1)  # 0 pages -> 0
+        last_page_len = np.minimum(ntok, (ntok - 1) % bs + 1)  # 0 pages -> 0
         return indptr, indices, last_page_len
 
     # ---- accounting --------------------------------------------------------------------------
@@ -1179,6 +1209,7 @@ class KVCacheManager:
         used = pool.num_used
         logical = logical_blocks = 0
         partial: dict[int, int] = {}  # distinct partial last blocks -> tokens they hold
+        reserved = 0  # blocks reserved (reserve=True) for positions not scheduled yet: empty
         for s in self._seqs.values():
             n = len(s.tokens) - s.unscheduled
             if s.host is not None:  # swapped out: only the shared blocks left on the device
@@ -1192,8 +1223,11 @@ class KVCacheManager:
             logical += n
             logical_blocks += len(s.table)
             if n % bs:
-                partial[s.table[-1]] = n % bs
-        stored = used * bs - len(partial) * bs + sum(partial.values())  # partial blocks' empty tails
+                partial[s.table[n // bs]] = n % bs
+            if s.unscheduled:
+                reserved += len(s.table) - -(-n // bs)
+        # partial blocks' empty tails, and reserved blocks, hold no token yet
+        stored = (used - reserved) * bs - len(partial) * bs + sum(partial.values())
         allocated = used * bs
         cache, tier = self._cache, self._tier
         host = {}
@@ -1227,8 +1261,10 @@ class KVCacheManager:
 
         Checks: the pool's own states (free + cached-free + used = total, nothing both free and
         referenced); each block's refcount equals the number of table entries pointing at it;
-        each table has ``ceil(num_computed / block_size)`` entries; a partial block is only ever
-        a last block, shared by sequences of equal length within it; the counters of unready
+        each table has ``ceil(num_computed / block_size)`` entries, or, for a prompt admitted with
+        ``reserve=True`` and not fully scheduled, ``ceil(num_tokens / block_size)`` whose blocks
+        past the scheduled ones are private and unpublished; a partial block is only ever
+        a last scheduled block, shared by sequences of equal length within it; the counters of unready
         sequences; every sequence's stored hashes are the chained hashes of its non-draft
         tokens; only fully scheduled, non-draft blocks carry a hash; the hash map and the pool's
         keys are one bijection; the pending copies are batch-safe; and, with a host tier, the
@@ -1264,11 +1300,16 @@ class KVCacheManager:
                     host_refs[hb] = host_refs.get(hb, 0) + 1
             else:
                 _require(min(s.table, default=0) >= 0, f"sequence {sid!r}: a position without a block")
-            _require(len(s.table) == -(-done // bs), f"sequence {sid!r}: {len(s.table)} blocks for {done} positions")
+            nsched = -(-done // bs)  # blocks of the scheduled positions
+            reserved = s.table[nsched:] if s.unscheduled and len(s.table) == -(-n // bs) else []
+            _require(len(s.table) == nsched + len(reserved),
+                     f"sequence {sid!r}: {len(s.table)} blocks for {done} positions ({n} reserved?)")
+            for b in reserved:
+                _require(pool.refcount(b) == 1, f"block {b} reserved for {sid!r} is shared")
             if s.mirror is not None:
                 _require(s.mirror[: len(s.table)].tolist() == s.table, f"sequence {sid!r}: int32 mirror differs")
-            if done % bs and s.table[-1] >= 0:
-                b = s.table[-1]
+            if done % bs and s.table[nsched - 1] >= 0:
+                b = s.table[nsched - 1]
                 _require(partial_fill.setdefault(b, done % bs) == done % bs, f"partial block {b} shared at two fills")
             if s.nxt >= 0:
                 ok = (done % bs and not s.unscheduled and not s.drafts and s.nxt == s.table[-1] * bs + done % bs

@@ -6,6 +6,7 @@ Examples:
     pagedkv fleet --num-requests all --router precise
     pagedkv fleet --router ring-bounded --eps 0.1 --vnodes 1000
     pagedkv fleet azure-conv-trace --router least-loaded --replicas 4
+    pagedkv fleet --router dynamo --replicas 4 --num-requests 500   # needs pagedkv[dynamo]
 
 Each replica is a real KVCacheManager behind the serving scheduler and the bandwidth cost model
 (H100 and Llama-3.1-8B by default, like ``pagedkv simulate``); the replicas advance together in
@@ -14,7 +15,9 @@ least-loaded, ring (consistent hashing of the prompt's first ``--key-tokens`` to
 ``--vnodes`` virtual nodes per replica), ring-bounded (the same with bounded loads: a replica
 takes a request only under ceil((1 + eps) x average) requests in flight), and precise (an index
 of every replica's cached blocks built only from their KV events, sent as vLLM's wire format, with
-the SGLang router's cache threshold and load guard). ``all`` runs each in turn.
+the SGLang router's cache threshold and load guard). ``all`` runs each in turn. ``dynamo`` runs
+the precise router and then the same policy on NVIDIA Dynamo's KV indexer (started here, or the
+one at ``--indexer-url``), fed by the replicas' events over ZMQ, and prints both rows.
 
 The precise router's events travel as vLLM's wire bytes when msgspec is installed (``pip install
 "pagedkv[events]"``); without it they travel in process as the managers' own event objects, which
@@ -73,7 +76,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", nargs="?", default="mooncake-trace",
                    help="a shipped trace (mooncake-trace, the default; azure-conv-trace, azure-code-trace) "
                         "or a trace file (Mooncake JSONL or Azure CSV, plain or .gz)")
-    p.add_argument("--router", default="all", choices=[*ROUTERS, "all"], help="default: all, one after another")
+    p.add_argument("--router", default="all", choices=[*ROUTERS, "dynamo", "all"],
+                   help="default: all, one after another; dynamo: the precise router beside Dynamo's KV indexer")
+    p.add_argument("--indexer-url", default=None, metavar="URL",
+                   help="dynamo: a running Dynamo indexer (python -m dynamo.indexer --threads 1) instead of "
+                        "starting one")
     p.add_argument("--replicas", type=int, default=16, help="replicas in the fleet (default 16)")
     p.add_argument("--num-requests", type=_count_or_all, default=DEFAULT_REQUESTS, metavar="N|all",
                    help=f"the first N requests of the trace, or all (default {DEFAULT_REQUESTS:,})")
@@ -137,6 +144,28 @@ def _check(args: argparse.Namespace) -> None:
             import xxhash  # noqa: F401
         except ImportError:
             raise UsageError('--hash-algo xxh3 needs the xxhash package: pip install "pagedkv[xxhash]"') from None
+    if args.router == "dynamo":
+        _check_dynamo(args)
+    elif args.indexer_url is not None:
+        raise UsageError("--indexer-url is for --router dynamo")
+
+
+def _check_dynamo(args: argparse.Namespace) -> None:
+    from ..sim.dynamo_router import DYNAMO_VERSION, dynamo_installed
+
+    if args.hash_algo == "builtin":
+        raise UsageError("--router dynamo: builtin hashes differ between processes; use --hash-algo sha256 or xxh3")
+    try:
+        import msgspec  # noqa: F401
+        import zmq  # noqa: F401
+    except ImportError:
+        raise UsageError("--router dynamo publishes KV events in vLLM's wire format over ZMQ, which needs "
+                         'msgspec and pyzmq: pip install "pagedkv[events]"') from None
+    if args.indexer_url is None and not dynamo_installed():
+        raise UsageError(f'--router dynamo needs Dynamo\'s indexer: pip install "pagedkv[dynamo]" '
+                         f"(ai-dynamo-runtime=={DYNAMO_VERSION}), or give --indexer-url")
+    if args.indexer_url is not None and not args.indexer_url.startswith(("http://", "https://")):
+        raise UsageError(f"--indexer-url must be an http:// URL, got {args.indexer_url!r}")
 
 
 def _memory(args: argparse.Namespace) -> tuple[int, CostModel]:
@@ -204,6 +233,11 @@ def _requests(args: argparse.Namespace, path: Path, num_blocks: int) -> list:
 
 
 def _router(args: argparse.Namespace, name: str):
+    if name == "dynamo":
+        from ..sim.dynamo_router import DynamoRouter
+
+        return DynamoRouter(args.block_size, args.hash_algo, args.balance_abs, args.balance_rel,
+                            args.cache_threshold, indexer_url=args.indexer_url)
     return make_router(name, vnodes=args.vnodes, eps=args.eps, seed=args.ring_seed, key_tokens=args.key_tokens,
                        block_size=args.block_size, hash_algo=args.hash_algo, balance_abs=args.balance_abs,
                        balance_rel=args.balance_rel, cache_threshold=args.cache_threshold)
@@ -244,13 +278,14 @@ def _table(args: argparse.Namespace, results: list, n: int, fmt: str, num_blocks
 @reports_errors("fleet")
 def run(args: argparse.Namespace) -> int:
     """Print the table; 0 on success, 2 with one line on stderr for bad input."""
+    from ..sim.dynamo_router import IndexerError
     from ..sim.fleet import run_fleet, wire_available
 
     _check(args)
     num_blocks, cost = _memory(args)
     path, fmt = _trace(args)
     reqs = _requests(args, path, num_blocks)
-    names = list(ROUTERS) if args.router == "all" else [args.router]
+    names = list(ROUTERS) if args.router == "all" else ["precise", "dynamo"] if args.router == "dynamo" else [args.router]
     results = []
     for name in names:
         progress = None
@@ -258,9 +293,17 @@ def run(args: argparse.Namespace) -> int:
             print(f"fleet: {name} ({len(reqs):,} requests)", file=sys.stderr)
             progress = lambda done, total, name=name: print(  # noqa: E731
                 f"fleet: {name} {done:,}/{total:,} requests", file=sys.stderr)
-        results.append(run_fleet(reqs, _router(args, name), args.replicas, num_blocks, block_size=args.block_size,
-                                 cost=cost, hash_algo=args.hash_algo, max_len=args.max_len,
-                                 max_num_seqs=args.max_num_seqs, key_tokens=args.key_tokens, progress=progress))
+        router = _router(args, name)
+        try:
+            results.append(run_fleet(reqs, router, args.replicas, num_blocks, block_size=args.block_size,
+                                     cost=cost, hash_algo=args.hash_algo, max_len=args.max_len,
+                                     max_num_seqs=args.max_num_seqs, key_tokens=args.key_tokens,
+                                     progress=progress))
+        except IndexerError as e:  # the Dynamo indexer did not start, answer or catch up
+            raise UsageError(f"--router {name}: {e}") from None
+        finally:
+            if hasattr(router, "close"):
+                router.close()
     emit(_table(args, results, len(reqs), fmt, num_blocks, cost, wire_available()).to_text())
     if args.json is not None:
         payload = {"trace": str(path), "format": fmt, "requests": len(reqs), "replicas": args.replicas,
