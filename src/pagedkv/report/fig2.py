@@ -551,7 +551,7 @@ def _shares(m: Metrics) -> dict:
 
 
 def _data(wls: list[_Workload], spread, n: int) -> dict:
-    out = {"paper_token_share": PAPER_TOKEN_SHARE, "num_requests": n,
+    out = {"paper_token_share": PAPER_TOKEN_SHARE, "num_requests": n, "model": PAPER_MODEL,
            "paper_bars": {k: dict(zip(PAPER_CATEGORIES, v)) for k, v in PAPER_BARS.items()},
            "log_sd_range": list(spread) if spread else None, "workloads": {}}
     for wl in wls:

@@ -21,7 +21,8 @@ never show a number the table does not. The hint (see :class:`~pagedkv.tables.Ta
 - ``annotate``: a column whose values are written above the bars (``annotate_format``, e.g.
   ``"batch {}"``);
 - ``xlabels``: columns whose values name each bar together (``"k=4, p=0.3"``) instead of ``x``;
-  ``legend``: ``{column: label}`` for series whose column names are terse;
+  ``legend``: ``{column: label}`` for series whose column names are terse; ``styles`` (lines):
+  ``{column: matplotlib line keywords}`` (``{"linestyle": "--"}``: a model apart from measurements);
 - ``annotate_values``: write every bar's value on it (a zero shows as "0", not as nothing);
 - ``label_replace``: ``[[old, new], ...]`` applied to the bar labels (shorter names under bars);
   ``footnote``: a line under the plot (what a shortened label means);
@@ -215,7 +216,8 @@ def _draw_stacked(ax, table: Table, hint: dict, x: list) -> None:
 def _draw_lines(ax, table: Table, hint: dict, x: list) -> None:
     for name in hint["y"]:
         vals = _numbers(table, name)
-        ax.plot(x, vals, marker="o", label=hint.get("legend", {}).get(name, name), zorder=3)
+        style = {"marker": "o", **hint.get("styles", {}).get(name, {})}
+        ax.plot(x, vals, label=hint.get("legend", {}).get(name, name), zorder=3, **style)
         if name in hint.get("band", {}):
             lo, hi = hint["band"][name]
             _band(ax, x, vals, _numbers(table, lo), _numbers(table, hi))

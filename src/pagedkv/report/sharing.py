@@ -178,5 +178,5 @@ def section(opts: ReportOptions) -> Section:
         tables=[fig15, share],
         data={"saving": data, "paper_saving": {f"{m}/{k}": v for (m, k), v in PAPER_SAVING.items()},
               "paper_sharegpt_range": {m: list(v) for m, v in PAPER_SHAREGPT_RANGE.items()},
-              "log_sd_range": list(spread) if spread else None, "seeds": SEEDS},
+              "log_sd_range": list(spread) if spread else None, "seeds": SEEDS, "model": "OPT-13B"},
     )
