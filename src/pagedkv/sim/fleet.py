@@ -212,6 +212,10 @@ class Replica:
         evs = self.alloc.m.take_events()
         return encode_vllm(evs, self.server.clock) if evs else None
 
+    def take_event_log(self) -> list:
+        """The manager's events since the last call, in process (no wire encoding)."""
+        return self.alloc.m.take_events()
+
 
 @dataclass
 class FleetResult:
@@ -320,7 +324,8 @@ def run_fleet(requests: Sequence[Request], router: Router, replicas: int, num_bl
               max_len: int = 2048, max_num_seqs: int = 256, guards: Guards | None = None,
               key_tokens: int = DEFAULT_KEY_TOKENS, advance_order: Sequence[int] | None = None,
               progress: Callable[[int, int], None] | None = None,
-              observer: Callable[[int, list[Replica], Router], None] | None = None) -> FleetResult:
+              observer: Callable[[int, list[Replica], Router], None] | None = None,
+              wire: bool = True) -> FleetResult:
     """Serve ``requests`` on ``replicas`` replicas of ``num_blocks`` blocks each behind ``router``.
 
     ``key_tokens`` defines "the same prefix" for :meth:`FleetResult.replicas_per_prefix`.
@@ -329,7 +334,10 @@ def run_fleet(requests: Sequence[Request], router: Router, replicas: int, num_bl
     every 1,000 requests. ``observer(i, replicas, router)`` sees the fleet just before request
     ``i`` (arrival order) is routed, the replicas advanced and their events delivered, and once
     more with ``i = len(requests)`` after the last replica drained (a test's window on both
-    sides of the wire). Raises ``ValueError`` for bad arguments and
+    sides of the wire). ``wire=False`` hands a router that wants events the replicas' events in
+    process (``on_event_log``) instead of encoded and decoded (``on_events``, which needs
+    msgspec): the same index and routes, no bytes counted. Raises ``ValueError`` for bad
+    arguments and
     :class:`~pagedkv.sim.scheduler.Livelock` when a replica stops making progress.
     """
     names = replica_names(replicas)
@@ -355,6 +363,11 @@ def run_fleet(requests: Sequence[Request], router: Router, replicas: int, num_bl
     def deliver() -> int:
         sent = 0
         for j in order:
+            if not wire:
+                evs = fleet[j].take_event_log()
+                if evs:
+                    router.on_event_log(j, evs)
+                continue
             payload = fleet[j].take_payload()
             if payload is not None:
                 sent += len(payload)

@@ -396,6 +396,34 @@ class PrefixAwareRouter(Router):
             else:
                 held.difference_update(ev.block_hashes)
 
+    def on_event_log(self, replica: int, events: Sequence) -> None:
+        """The same index update as :meth:`on_events`, from the replica's in-process events
+        (``KVCacheManager.take_events()``: ``BlockStored``, ``BlockRemoved``,
+        ``AllBlocksCleared``) instead of their wire bytes: no msgspec needed. Hashes are turned
+        into the wire's 64-bit ids (``hash_to_u64``), so the index is the one the wire builds
+        (a test checks both give the same routes)."""
+        from ..events import hash_to_u64
+        from ..types import AllBlocksCleared, BlockRemoved, BlockStored
+
+        if not 0 <= replica < len(self.names):
+            raise ValueError(f"replica {replica} is not one of the {len(self.names)} bound")
+        held = self.held[replica]
+        for ev in events:
+            kind = type(ev)
+            if kind is AllBlocksCleared:
+                held.clear()
+            elif kind is not BlockStored and kind is not BlockRemoved:
+                raise ValueError(f"not a KV event: {ev!r}")
+            elif ev.medium != "GPU":
+                continue
+            elif kind is BlockStored:
+                if ev.block_size != self.block_size:
+                    raise ValueError(f"replica {self.names[replica]} stores blocks of {ev.block_size} tokens; "
+                                     f"this router hashes blocks of {self.block_size}")
+                held.update(hash_to_u64(h) for h in ev.block_hashes)
+            else:
+                held.difference_update(hash_to_u64(h) for h in ev.block_hashes)
+
     def blocks_held(self, replica: int) -> frozenset:
         """The 64-bit hashes of the blocks the index says ``replica`` holds."""
         return frozenset(self.held[replica])
