@@ -376,12 +376,15 @@ def _add_rows(t: Table, wl: _Workload, runs: dict, band: dict) -> None:
 
 def _cost_table(wls: list[_Workload], cm: CostModel) -> Table:
     t = Table(
-        f"What the waste costs: batch and throughput when saturated (t = 0), {PAPER_MODEL} on an {PAPER_GPU}",
-        ["run", "avg batch", "requests/s", "tokens/s", "x Max", "preemptions"],
-        plot={"name": "fig2_throughput", "x": "run", "y": ["requests/s"], "kind": "bar",
-              "annotate": "avg batch", "annotate_format": "batch {}", "ylabel": "requests/s served when saturated",
-              "xlabel": "", "title": f"What the waste costs: throughput when saturated, {PAPER_MODEL} on an "
-                                     f"{PAPER_GPU} (label: average batch, sequences per step)"},
+        f"What the waste costs: batch and throughput when saturated (t = 0), step times modelled for "
+        f"{PAPER_MODEL} on an {PAPER_GPU}",
+        ["run", "avg batch", "requests/s (modelled)", "output tokens/s (modelled)", "x Max", "preemptions"],
+        plot={"name": "fig2_throughput", "x": "run", "y": ["requests/s (modelled)"], "kind": "bar",
+              "annotate": "avg batch", "annotate_format": "batch {}",
+              "ylabel": "requests/s served when saturated (modelled)", "legend": {"requests/s (modelled)":
+                                                                               "requests/s, modelled step times"},
+              "xlabel": "", "title": f"Requests/s each allocator serves when saturated, step times modelled for "
+                                     f"{PAPER_MODEL} on an {PAPER_GPU} (label: average batch, sequences per step)"},
     )
     for wl in wls:
         base = wl.saturated["Max"][1].throughput_rps

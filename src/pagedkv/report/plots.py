@@ -26,6 +26,8 @@ never show a number the table does not. The hint (see :class:`~pagedkv.tables.Ta
 - ``annotate_values``: write every bar's value on it (a zero shows as "0", not as nothing);
 - ``label_replace``: ``[[old, new], ...]`` applied to the bar labels (shorter names under bars);
   ``footnote``: a line under the plot (what a shortened label means);
+- ``label_last`` (lines): a dotted vertical line at the last x, labelled ``"<label>: <x>"``
+  (the trace's end);
 - ``hline``: ``[column, label]``, the column's (first present) value drawn as a dashed line
   across the plot (an ideal, a bound);
 - ``logx`` (``logx_base``, default 2; ticks in plain numbers), ``logy``, ``ymin`` (e.g. 0: the axis starts there), ``ymax``, ``ylabel``, ``xlabel``, ``title``
@@ -227,6 +229,10 @@ def _draw_lines(ax, table: Table, hint: dict, x: list) -> None:
         if pts:
             ax.scatter(*zip(*pts), marker="D", s=50, color="black", zorder=5,
                        label=hint.get("marker_label", hint["marker"]))
+    if hint.get("label_last") and x:  # name the last point (a trace's end) on the axis
+        ax.axvline(x[-1], color="grey", linestyle=":", linewidth=1, zorder=1)
+        ax.annotate(f"{hint['label_last']}: {fmt(x[-1])}", (x[-1], 0), xycoords=("data", "axes fraction"),
+                    xytext=(-3, 4), textcoords="offset points", ha="right", fontsize=7)
     if hint.get("logx"):
         from matplotlib.ticker import FuncFormatter
 
