@@ -159,7 +159,7 @@ def _host(sec: Section) -> list[str]:
     by = m["by_host"]
     keys = sorted(by, key=int)
     none, big = by[keys[0]], by[keys[-1]]
-    return [f"On the Mooncake trace a host tier {int(keys[-1]) // max(m['device_blocks'], 1)}x the device "
+    return [f"On the Mooncake trace a host tier {int(keys[-1])}x the device "
             f"pool adds {_pct(big['host_hit_rate'])} of prompt tokens as host hits to the device's "
             f"{_pct(none['device_hit_rate'])} (first {m['requests']:,} requests)."]
 

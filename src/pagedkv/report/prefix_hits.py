@@ -364,7 +364,7 @@ def _ideal_table(records, block_size: int) -> Table:
               plot={"name": "prefix_hits_history", "x": "requests", "y": [c512, cbs],
                     "kind": "line", "logx": True, "ymin": 0, "ylabel": "% of prompt tokens hit (ideal)",
                     "xlabel": "requests replayed from the start of the trace (log scale)",
-                    "styles": {cbs: {"linestyle": "--", "marker": "x"}}, "label_last": "whole trace",
+                    "styles": {cbs: {"linestyle": "--", "marker": "x"}}, "label_last": "requests replayed",
                     "title": "Ideal prefix hit rate (unbounded cache) against the history replayed, "
                              "Mooncake conversation trace"})
     for k in sorted({k for k in IDEAL_PREFIXES if k < len(records)} | {len(records)}):

@@ -83,6 +83,8 @@ def _per_block_table(opts: ReportOptions, cost: CostModel) -> tuple[Table, dict]
         plot={"name": "swap_vs_recompute", "x": "block size", "y": [*lat_cols, "swap ms 1 copy/block @10 µs",
                                                                        *rec_cols],
               "kind": "line", "logx": True, "logy": True, "ylabel": "ms per preemption (swap: out + in)",
+              "styles": {c: {"linestyle": "--", "marker": "", "color": g, "linewidth": 2}
+                         for c, g in zip(rec_cols, ("#636363", "black", "#bdbdbd"))},
               "xlabel": "block size (tokens per block, log scale)",
               "legend": {**{c: f"swap, per-layer layout ({cpb} copies/block), {u} µs per copy"
                             for c, u in zip(lat_cols, LATENCIES_US)},
