@@ -31,13 +31,16 @@ def req(i: int, prompt: int, output: int, **kw) -> Request:
 @pytest.mark.parametrize("policy,reserved,held", [("max", 2048, 2048), ("pow2", 132, 256), ("oracle", 125, 128)])
 def test_paper_definitions_prompt_100_output_25(policy, reserved, held):
     """vLLM paper 6.1: Pow2 over-reserves only the output (25 -> 32: 100 + 32 = 132), Oracle
-    reserves the true 125, Max 2,048; the classic buddy then holds the next power of two."""
+    reserves the true 125, Max 2,048; the classic buddy then holds the next power of two. By the
+    paper's Fig. 2 definitions the reservation beyond the true length is internal fragmentation
+    (Oracle: none) and the buddy's rounding is counted apart (external fragmentation & others)."""
     a = ReservationAllocator(4096, policy, 2048)
     r = req(0, 100, 25)
     assert (a.reserve_size(r), a.held_size(r)) == (reserved, held)
     assert a.admit(r)
     b = a.breakdown()
-    assert (b.token_states, b.reserved, b.internal_fragmentation) == (100, 25, held - 125)
+    assert (b.token_states, b.reserved, b.internal_fragmentation, b.buddy_rounding) == (
+        100, 25, reserved - 125, held - reserved)
     assert a.buddy.allocated_slots == held and b.total == 4096
     a.check()
 
@@ -56,15 +59,16 @@ def test_pow2_ceil():
         pow2_ceil(-1)
 
 
-@pytest.mark.parametrize("policy,held,internal", [("max", 2048, 1549), ("pow2", 1024, 525), ("oracle", 512, 13)])
-def test_reservation_sizes_docstring_example(policy, held, internal):
+@pytest.mark.parametrize("policy,held,internal,rounding", [("max", 2048, 1549, 0), ("pow2", 1024, 174, 351),
+                                                            ("oracle", 512, 0, 13)])
+def test_reservation_sizes_docstring_example(policy, held, internal, rounding):
     """The class docstring's 161 + 338 request: Pow2 reserves 161 + 512 = 673 and holds 1,024."""
     a = ReservationAllocator(5000, policy, 2048)
     r = req(0, 161, 338)
     assert a.held_size(r) == held
     assert a.admit(r)
     b = a.breakdown()
-    assert (b.token_states, b.reserved, b.internal_fragmentation) == (161, 338, internal)
+    assert (b.token_states, b.reserved, b.internal_fragmentation, b.buddy_rounding) == (161, 338, internal, rounding)
     assert b.total == 5000
     a.step(["r0"])
     b = a.breakdown()

@@ -123,6 +123,10 @@ def test_quick_section_matches_the_independent_count(quick):
     assert len(set(whole.column("ideal, unbounded %"))) == 1
     assert check.column("equal") == [True]
     assert history.column("requests")[-1] == n
+    # Issue 21: one rule for both tables (the manager's): the history's 512-token column at the
+    # whole replay is the capacity table's unbounded rate, not a partial last block counted as hit
+    assert history.column("hit rate %, 512-token blocks")[-1] == round(100 * caps[-1]["hit_rate"], 2)
+    assert history.plot["y"] == ["hit rate %, 512-token blocks", "hit rate %, block size 16"]
     assert "shipped with pagedkv" in sec.intro and f"{n:,} requests" in sec.intro
     assert sec.text[0].startswith(f"The first {n:,} requests (--quick)")
     json.dumps(sec.to_dict())

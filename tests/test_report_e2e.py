@@ -77,10 +77,11 @@ def test_quick_report_markdown_and_pngs(quick_report):
     md = (out_dir / "report.md").read_text()
     payload = json.loads((out_dir / "report.json").read_text())
     assert md.startswith("# pagedkv report\n")
+    flat = " ".join(md.split())  # titles and notes are wrapped at 100 columns
     for s in payload["sections"]:
         assert f"\n## {s['heading']}\n" in md
         for t in s["tables"]:
-            assert f"**{t['title']}**" in md
+            assert f"**{' '.join(t['title'].split())}**" in flat
             assert "| " + " | ".join(t["columns"]) + " |" in md
     images = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", md)
     pngs = sorted(p.name for p in out_dir.glob("*.png"))
@@ -94,6 +95,37 @@ def test_quick_report_markdown_and_pngs(quick_report):
     named = [t["plot"] for s in payload["sections"] for t in s["tables"] if t["plot"]]
     assert sorted(named) == sorted(EXPECTED_PLOTS)  # each table names its own PNG in report.json
     assert MARKUP.search(md) is None
+
+
+def test_report_md_prose_wraps_at_100_columns(quick_report):
+    """Issue 21: report.md's prose (intro, notes, findings, text blocks, code blocks included)
+    wraps at 100 columns; only table rows, which never wrap, and image links may be longer."""
+    _, _, _, out_dir = quick_report
+    md = (out_dir / "report.md").read_text()
+    long = [line for line in md.splitlines()
+            if len(line) > TEXT_WIDTH and not line.startswith("|") and not line.startswith("![")]
+    assert long == []
+
+
+def test_report_opens_with_the_findings(quick_report):
+    """Issue 21: the findings come first, each a sentence with its number and a link to its
+    section (an anchor of a heading that exists)."""
+    _, out, _, out_dir = quick_report
+    md = (out_dir / "report.md").read_text()
+    payload = json.loads((out_dir / "report.json").read_text())
+    from pagedkv.report.findings import anchor
+
+    assert md.index("\n## Findings\n") < md.index("\n## " + payload["sections"][0]["heading"])
+    assert out.startswith("Findings\n========\n")
+    anchors = {anchor(s["heading"]) for s in payload["sections"]}
+    findings = payload["findings"]
+    assert len(findings) >= 8
+    keys = {s["key"] for s in payload["sections"]}
+    for f in findings:
+        assert f["section"] in keys and re.search(r"\d", f["text"]), f
+    links = re.findall(r"\]\(#([a-z0-9-]+)\)", md[md.index("## Findings"):md.index("\n## ", md.index("## Findings") + 5)])
+    assert len(links) == len(findings) and set(links) <= anchors
+    assert "96.3%" in findings[0]["text"]  # the paper's number beside ours
 
 
 def test_quick_report_fits_a_terminal(quick_report):

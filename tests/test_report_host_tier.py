@@ -16,7 +16,7 @@ from pagedkv.sim.swap_cost import Link
 
 KV = 131_072  # Llama-3.1-8B KV bytes per token
 PARAMS = CostModel.for_model("Llama-3.1-8B").weight_bytes / 2
-RECOMPUTE_1024_S = 1024 * 2 * PARAMS / 989e12
+RECOMPUTE_1024_S = 1024 * 2 * PARAMS / (0.45 * 989e12)  # at the stated 45% MFU
 
 
 def _swap_s(tokens: int, bs: int, latency_s: float, copies: int = 64) -> float:
@@ -52,18 +52,25 @@ def test_fig19_rows_match_hand_computation(fig19):
         assert t.column("blocks")[t.column("block size").index(bs)] == math.ceil(1024 / bs)
     idx = t.column("block size").index(16)
     assert t.column("copies each way")[idx] == 64 * 64
-    assert t.column("swap ms @10us")[idx] == pytest.approx(1e3 * _swap_s(1024, 16, 10e-6))  # 86.11
-    assert t.column("swap ms @2us")[idx] == pytest.approx(1e3 * _swap_s(1024, 16, 2e-6))
-    assert t.column("swap ms 1 copy/block @10us")[idx] == pytest.approx(1e3 * _swap_s(1024, 16, 10e-6, 1))
-    assert t.column("recompute ms") == pytest.approx([1e3 * RECOMPUTE_1024_S] * 9)  # same at every size
+    assert t.column("swap ms @10 µs")[idx] == pytest.approx(1e3 * _swap_s(1024, 16, 10e-6))  # 86.11
+    assert t.column("swap ms @2 µs")[idx] == pytest.approx(1e3 * _swap_s(1024, 16, 2e-6))
+    assert t.column("swap ms 1 copy/block @10 µs")[idx] == pytest.approx(1e3 * _swap_s(1024, 16, 10e-6, 1))
+    for mfu in (30, 45, 60):  # the same at every block size, and inversely proportional to the MFU
+        assert t.column(f"recompute ms @{mfu}% MFU") == pytest.approx([1e3 * RECOMPUTE_1024_S * 45 / mfu] * 9)
+    assert t.column("swap / recompute @10 µs, 45% MFU")[idx] == pytest.approx(
+        _swap_s(1024, 16, 10e-6) / RECOMPUTE_1024_S)  # 2.33: recompute is not priced at the peak
 
 
-def test_fig19_crossover_at_10us_is_114_by_hand(fig19):
-    # 113 needs 10 blocks and loses, 114 needs 9 and wins: the crossover is 114
-    assert _swap_s(1024, 113, 10e-6) > RECOMPUTE_1024_S >= _swap_s(1024, 114, 10e-6)
-    assert fig19.data["crossover"][10]["per_layer"][1024] == 114
-    row = fig19.tables[1].rows[0]
-    assert row[0] == "per-layer, 1,024 tokens" and row[fig19.tables[1].columns.index("10 us")] == 114
+def test_fig19_crossover_at_10us_is_41_by_hand(fig19):
+    # at 45% MFU, 40 needs 26 blocks and loses, 41 needs 25 and wins: the crossover is 41
+    assert _swap_s(1024, 40, 10e-6) > RECOMPUTE_1024_S >= _swap_s(1024, 41, 10e-6)
+    assert fig19.data["crossover"][10]["per_layer"][1024] == 41
+    t = fig19.tables[1]
+    rows = {r[0]: r for r in t.rows}
+    assert rows["per-layer, 1,024 tokens, 45% MFU"][t.columns.index("10 µs")] == 41
+    # a slower recompute (30% MFU) makes swapping win sooner, a faster one (60%) later
+    spread = [rows[f"per-layer, 1,024 tokens, {m}% MFU"][t.columns.index("10 µs")] for m in (30, 45, 60)]
+    assert spread == sorted(spread) and spread[0] < 41 < spread[-1]
     # the spread: a larger latency per copy never moves the crossover down
     per_layer = [fig19.data["crossover"][u]["per_layer"][1024] for u in (0, 2, 5, 10, 20)]
     assert per_layer == sorted(per_layer) and per_layer[0] == 1
@@ -71,9 +78,9 @@ def test_fig19_crossover_at_10us_is_114_by_hand(fig19):
 
 def test_fig19_paper_pattern_is_read_from_the_rows(fig19):
     t = fig19.tables[0]
-    rec = t.column("recompute ms")
+    rec = t.column("recompute ms @45% MFU")
     for u in swap_recompute.LATENCIES_US:
-        swap = t.column(f"swap ms @{u}us")
+        swap = t.column(f"swap ms @{u} µs")
         holds = swap[0] > rec[0] and swap[-1] <= rec[-1]
         assert fig19.data["paper_pattern_holds"][u] is holds
 

@@ -205,15 +205,18 @@ def test_fig2_section_quick_tables(fig2_quick):
     srv, sat, cost, load = sec.tables
     assert [t.plot["name"] for t in sec.tables] == ["fig2_breakdown", "fig2_saturated", "fig2_throughput", "fig2_load"]
     for t in (srv, sat):
-        assert t.plot["kind"] == "stacked" and t.plot["marker"] == "paper token states %"
+        assert t.plot["kind"] == "stacked" and t.plot["paper_stack"] == fig2.PAPER_COLUMNS
         for run, paper, why in zip(t.column("run"), t.column("paper token states %"),
-                                   t.column("why ours differs / what it is")):
+                                   t.column("where and why ours differs")):
             workload, name = run.split(" / ")
             # The paper's bar sits on the ShareGPT row of the same allocator, and nowhere else.
             assert paper == (PAPER[name] if workload == "ShareGPT-like" and name in PAPER else None), run
             assert isinstance(why, str) and why, run
-        for row in t.rows:  # every category, free included, sums to 100 (rounded to 0.1 each)
+        for row in t.rows:  # the paper's four categories sum to 100 (rounded to 0.1 each), and the
+            # fourth is the sum of its parts
             assert sum(row[t.columns.index(c)] for c in fig2.SHARE_COLUMNS) == pytest.approx(100, abs=0.3)
+            assert row[t.columns.index(fig2.SHARE_COLUMNS[3])] == pytest.approx(
+                sum(row[t.columns.index(c)] for c in fig2.DETAIL_COLUMNS), abs=0.2)
     runs = srv.column("run")
     assert [r.split(" / ")[1] for r in runs] == ["Max", "Pow2", "Oracle", "paged", "Pow2" + fig2.EXACT,
                                                 "Oracle" + fig2.EXACT, "Max", "Pow2", "Oracle", "paged"]
@@ -224,7 +227,8 @@ def test_fig2_section_quick_tables(fig2_quick):
                 assert lo <= v <= hi, run
             else:
                 assert lo is None and hi is None, run
-    assert "reservations fit" in srv.rows[0][-1] and "last-block tails" in srv.rows[3][-1]
+    assert "reservations fit" in srv.rows[0][-1] and "last block's unused tail" in srv.rows[3][-1]
+    assert srv.column("internal frag %")[2] == 0  # Oracle: no internal fragmentation (the paper's)
     assert cost.column("x Max")[0] == 1 and cost.column("x Max")[3] > 1  # paging batches more
     assert load.column("x capacity") == sorted(load.column("x capacity"))
     assert [x for x in load.column("headline %") if x is not None] == [srv.rows[3][1]]

@@ -67,7 +67,8 @@ def _wrap_block(block: str, width: int) -> list[str]:
 
 
 def fmt(value: Any) -> str:
-    """Format one cell: ints with thousands separators, floats to 4 significant digits."""
+    """Format one cell: ints (and integral floats) with thousands separators, other floats to 4
+    significant digits (one decimal from 100 on): 256.0 -> "256", 1234.56 -> "1,234.6"."""
     if isinstance(value, bool) or value is None:
         return "-" if value is None else str(value)
     if isinstance(value, int):
@@ -80,6 +81,8 @@ def fmt(value: Any) -> str:
         a = abs(value)
         if a >= 1e6 or a < 1e-3:
             return f"{value:.3g}"
+        if value.is_integer() and a < 1e6:  # 256.0 -> 256: integers show no ".0"
+            return f"{int(value):,}"
         if a >= 100:
             return f"{value:,.1f}"
         return f"{value:.4g}"
@@ -121,7 +124,7 @@ class Table:
         for k, group in enumerate(_column_groups(cells, grid, width)):
             if k:
                 out.append("")
-            out += _grid(cells, group)
+            out += _grid(cells, group, frozenset(self.text_columns()))
         for i in prose:
             out.append(f"  {self.columns[i]}:")
             for row in cells[1:]:
@@ -129,12 +132,20 @@ class Table:
         out += [line for n in self.notes for line in _wrap(plain(n), width, "  ", "    ")]
         return "\n".join(out)
 
+    def text_columns(self) -> list[int]:
+        """Indices of the columns that hold text (any str cell): left-aligned in every view."""
+        return [i for i in range(len(self.columns)) if any(isinstance(r[i], str) for r in self.rows)]
+
     def to_markdown(self) -> str:
+        """A Markdown table (rows stay whole: a table is never wrapped), its title and notes as
+        prose wrapped at ``TEXT_WIDTH``; text columns left-aligned, numbers right-aligned."""
+        text = set(self.text_columns()) | {0}
         head = "| " + " | ".join(self.columns) + " |"
-        sep = "|" + "|".join(["---"] + ["---:"] * (len(self.columns) - 1)) + "|"
+        sep = "|" + "|".join("---" if i in text else "---:" for i in range(len(self.columns))) + "|"
         body = ["| " + " | ".join(fmt(v) for v in r) + " |" for r in self.rows]
-        notes = [f"\n{_markdown(n)}" for n in self.notes]
-        return "\n".join([f"**{_markdown(self.title)}**", "", head, sep, *body, *notes])
+        notes = ["\n" + "\n".join(_wrap(_markdown(n), TEXT_WIDTH)) for n in self.notes]
+        title = "\n".join(_wrap(f"**{_markdown(self.title)}**", TEXT_WIDTH))
+        return "\n".join([title, "", head, sep, *body, *notes])
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -174,13 +185,14 @@ def _column_groups(cells: list[list[str]], columns: list[int], width: int) -> li
     return fewest
 
 
-def _grid(cells: list[list[str]], columns: list[int]) -> list[str]:
-    """Header, rule and rows of ``columns``: the first left-aligned, the others right-aligned."""
+def _grid(cells: list[list[str]], columns: list[int], text: frozenset = frozenset()) -> list[str]:
+    """Header, rule and rows of ``columns``: the first and the ``text`` columns left-aligned, the
+    others (numbers) right-aligned."""
     widths = [max(len(row[i]) for row in cells) for i in columns]
 
     def line(row: list[str]) -> str:
         parts = [row[columns[0]].ljust(widths[0])]
-        parts += [row[i].rjust(w) for i, w in zip(columns[1:], widths[1:])]
+        parts += [row[i].ljust(w) if i in text else row[i].rjust(w) for i, w in zip(columns[1:], widths[1:])]
         return "  ".join(parts).rstrip()
 
     return [line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]]
@@ -208,10 +220,17 @@ class Section:
         return "\n\n".join(out)
 
     def to_markdown(self) -> str:
+        """Markdown no prose line of which is wider than ``TEXT_WIDTH``: the intro and one-line
+        text blocks are paragraphs, wrapped; a several-line block (a worked example) stays a
+        code block, its long lines wrapped under their own indentation."""
         out = [f"## {_markdown(self.heading)}"]
         if self.intro:
-            out.append(_markdown(self.intro))
-        out += [f"```\n{plain(t)}\n```" for t in self.text]
+            out.append("\n".join(_wrap(_markdown(self.intro), TEXT_WIDTH)))
+        for t in self.text:
+            if "\n" in t:
+                out.append("```\n" + "\n".join(_wrap_block(plain(t), TEXT_WIDTH)) + "\n```")
+            else:
+                out.append("\n".join(_wrap(_markdown(t), TEXT_WIDTH)))
         out += [t.to_markdown() for t in self.tables]
         return "\n\n".join(out)
 

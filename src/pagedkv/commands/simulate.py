@@ -228,7 +228,7 @@ def _table(args: argparse.Namespace, num_blocks: int, cost: CostModel, reqs: lis
     t = Table(
         f"{args.workload} ({what}): {len(reqs):,} requests on {num_blocks * args.block_size:,} KV slots "
         f"({cost.model})",
-        ["allocator", "token states %", "reserved %", "internal frag %", "external frag %", "free %",
+        ["allocator", "token states %", "reserved %", "internal frag %", "buddy rounding %", "external frag %", "free %",
          "avg batch", "requests/s", "tokens/s", "paged x this", "preemptions", "prefix hit %",
          "sharing saved %"],
         plot={"name": "simulate_breakdown", "x": "allocator", "y": ["token states %"], "kind": "bar",
@@ -246,7 +246,7 @@ def _table(args: argparse.Namespace, num_blocks: int, cost: CostModel, reqs: lis
     for name, (res, m) in metrics.items():
         sh = {k: round(100 * v, 1) for k, v in m.shares.items()}
         gain = round(paged[1].throughput_rps / m.throughput_rps, 2) if paged and m.throughput_rps else None
-        t.add(name, sh["token_states"], sh["reserved"], sh["internal_fragmentation"],
+        t.add(name, sh["token_states"], sh["reserved"], sh["internal_fragmentation"], sh["buddy_rounding"],
               sh["external_fragmentation"], sh["free"], round(m.avg_batch, 1), round(m.throughput_rps, 3),
               round(m.tokens_per_s, 1), gain, m.preemptions, round(100 * m.prefix_hit_rate, 1),
               round(100 * m.sharing_saving, 1))

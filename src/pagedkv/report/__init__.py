@@ -61,7 +61,12 @@ def build_report(
 
 
 def render_text(sections: list[Section]) -> str:
-    return "\n\n\n".join(s.to_text() for s in sections) + "\n"
+    """The terminal report: the findings first, then every section."""
+    from .findings import findings, to_text
+
+    head = findings(sections)
+    parts = ([to_text(head)] if head else []) + [s.to_text() for s in sections]
+    return "\n\n\n".join(parts) + "\n"
 
 
 def write_report(sections: list[Section], opts: ReportOptions, out_dir: Path) -> list[Path]:
@@ -84,13 +89,20 @@ def write_report(sections: list[Section], opts: ReportOptions, out_dir: Path) ->
                 if path is not None:
                     pngs.setdefault(i, []).append(path)
                     written.append(path)
-    md = ["# pagedkv report", "", _options_line(opts), ""]
+    from .findings import findings, to_markdown
+
+    head = findings(sections)
+    md = ["# pagedkv report", "", *_options_lines(opts, sections), ""]
+    if head:
+        md += [to_markdown(head), ""]
     for i, sec in enumerate(sections):
         md.append(sec.to_markdown())
         md += [f"![{p.stem}]({p.name})" for p in pngs.get(i, [])]
         md.append("")
     (out_dir / "report.md").write_text("\n".join(md))
-    payload = {"options": _options_dict(opts), "sections": [s.to_dict() for s in sections]}
+    payload = {"options": _options_dict(opts),
+               "findings": [{"text": f.text, "section": f.key} for f in head],
+               "sections": [s.to_dict() for s in sections]}
     (out_dir / "report.json").write_text(json.dumps(payload, indent=1, default=_jsonable))
     return [out_dir / "report.md", out_dir / "report.json", *written]
 
@@ -99,8 +111,19 @@ def _options_dict(opts: ReportOptions) -> dict:
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items() if k != "progress"}
 
 
-def _options_line(opts: ReportOptions) -> str:
-    return "Options: " + ", ".join(f"{k}={v}" for k, v in _options_dict(opts).items())
+def _options_lines(opts: ReportOptions, sections: list[Section]) -> list[str]:
+    """The options header, true of every section: the model each section used is named (the
+    sections that rebuild the vLLM paper's experiments run its OPT-13B, whatever ``--model``)."""
+    import textwrap
+
+    shown = {k: v for k, v in _options_dict(opts).items() if k != "model"}
+    models: dict[str, list[str]] = {}
+    for sec in sections:
+        models.setdefault(sec.data.get("model", opts.model), []).append(sec.key)
+    parts = [f"{model} in {', '.join(keys)}" for model, keys in models.items()]
+    text = ("Options: " + ", ".join(f"{k}={v}" for k, v in shown.items())
+            + f". Model (--model {opts.model}): " + "; ".join(parts) + ".")
+    return textwrap.wrap(text, 100, break_long_words=False, break_on_hyphens=False)
 
 
 def _jsonable(value):

@@ -4,14 +4,17 @@ The paper's Fig. 2 averages, over its section 6.2 serving experiment (OPT-13B on
 ShareGPT, Poisson arrivals), how much KV memory holds token states: 20.4% when each request
 reserves the model's 2,048 positions (Orca Max), 26.8% when it reserves its prompt plus its output
 rounded up to a power of two (Pow2), 38.2% when it reserves its true length (Oracle), each placed
-by the buddy algorithm, and 96.3% with vLLM's paging. We rebuild that experiment from parts that
+by the buddy algorithm, and 96.3% with vLLM's paging; the rest of each bar is reservation,
+internal fragmentation (memory reserved beyond a request's real length) and external
+fragmentation & others (the buddy's rounding among them). We rebuild that experiment from parts that
 run: the same KV memory (OPT-13B, 12 GiB -> 15,728 token slots, from pagedkv.sim.sizing), the
 three reservations as real buddy allocators, the real KVCacheManager for paging, one
 continuous-batching scheduler for all four, and the A100's bandwidth for step times. The headline
 is a serving run: Poisson arrivals at 1.25 x the rate paging serves when saturated (measured and
 stated below; the offered-load table shows why 1.25), so paging is loaded and the reservations,
 which serve far less, are overloaded, with shares averaged over the whole run as the paper does. A
-second view puts every request at t = 0 (saturated) and averages only while requests wait.
+second view puts every request at t = 0 (saturated) and averages only while requests wait. Every
+slot is classified by the paper's definitions and all four categories are compared with its bars.
 
 Worked number (Max): 15,728 slots hold 7 reservations of 2,048 (14,336 slots); the other 1,392
 (8.9%) can never hold an eighth, so they are external fragmentation whenever a request waits.
@@ -23,7 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..sim import sizing
-from ..sim.baselines import ALLOCATORS, CATEGORIES, make_allocator
+from ..sim.baselines import ALLOCATORS, PAPER_CATEGORIES, make_allocator
 from ..sim.costmodel import A100_40GB_HBM_BYTES_PER_S, A100_BF16_FLOPS, CostModel
 from ..sim.metrics import Metrics, compute
 from ..sim.request import Request
@@ -31,11 +34,15 @@ from ..sim.scheduler import SimResult, simulate
 from ..tables import Section, Table
 from .options import ReportOptions
 
-__all__ = ["section", "PAPER_TOKEN_SHARE", "paper_setup", "saturated", "load", "prepare", "Prepared",
+__all__ = ["section", "PAPER_TOKEN_SHARE", "PAPER_BARS", "paper_setup", "saturated", "load", "prepare", "Prepared",
            "fit_to_model", "run_one", "serving_rate", "spread_range", "workloads"]
 
 # vLLM paper (SOSP'23) Fig. 2, share of KV memory holding token states, OPT-13B on ShareGPT.
 PAPER_TOKEN_SHARE = {"Max": 20.4, "Pow2": 26.8, "Oracle": 38.2, "paged": 96.3}
+# The same figure's four bars per allocator, in PAPER_CATEGORIES order (token states, reservation,
+# internal fragmentation, external fragmentation & others); paging's bar gives token states only.
+PAPER_BARS = {"Max": (20.4, 13.3, 57.3, 8.9), "Pow2": (26.8, 17.9, 13.6, 41.6), "Oracle": (38.2, 25.2, 0.0, 36.6),
+              "paged": (96.3, None, None, None)}
 PAPER_MODEL = "OPT-13B"  # the paper's Fig. 2 model
 PAPER_KV_GIB = 12  # KV memory of OPT-13B on an A100-40GB (paper, Table 1: 15.7K token slots)
 PAPER_MAX_LEN = 2048  # OPT's context, Orca Max's reservation
@@ -50,7 +57,12 @@ FULL_REQUESTS, QUICK_REQUESTS = 1000, 40
 HEADLINE_LOAD = 1.25
 SWEEP = (0.5, 1.0, 2.0)  # other offered loads shown, same unit
 QUICK_SWEEP = (1.0,)
-SHARE_COLUMNS = ["token states %", "reserved %", "internal frag %", "external frag %", "free %"]
+# The paper's four categories (ours), then what the fourth holds, split.
+SHARE_COLUMNS = ["token states %", "reservation %", "internal frag %", "external frag & others %"]
+PAPER_COLUMNS = ["paper token states %", "paper reservation %", "paper internal frag %",
+                 "paper external frag & others %"]
+DETAIL_COLUMNS = ["buddy rounding %", "stranded %", "free %"]
+DETAIL_KEYS = ["buddy_rounding", "external_fragmentation", "free"]
 
 
 def paper_setup(block_size: int = 16) -> tuple[int, CostModel]:
@@ -209,37 +221,62 @@ def _mean_live_len(res: SimResult) -> float:
     return float((s.kv_read[busy] * s.dt[busy]).sum() / max((s.batch[busy] * s.dt[busy]).sum(), 1e-12))
 
 
-def _why(name: str, m: Metrics, res: SimResult, max_len: int, synthetic: bool) -> str:
-    """A measured reason for the row's token share, and for its gap to the paper's."""
+CATEGORY_NAMES = dict(zip(PAPER_CATEGORIES, ("token states", "reservation", "internal frag",
+                                              "external frag & others")))
+
+
+def _gap(m: Metrics, name: str) -> str:
+    """The largest gap between our four categories and the paper's bar for ``name``, in words."""
+    paper = PAPER_BARS[name]
+    gaps = [(abs(100 * m.paper_shares[k] - p), k) for k, p in zip(PAPER_CATEGORIES, paper) if p is not None]
+    gap, key = max(gaps)
+    return f"largest gap to the paper {gap:.1f} points ({CATEGORY_NAMES[key]})"
+
+
+def _why(name: str, m: Metrics, res: SimResult, max_len: int, synthetic: bool, paper: bool) -> str:
+    """One sentence on where the row differs from the paper's bar (``paper``: a ShareGPT row) and
+    why, or (other workloads) what its waste is, with measured numbers."""
     sh = m.shares
+    ours = {k: 100 * v for k, v in m.paper_shares.items()}
     live = _mean_live_len(res)
+    if name.endswith(EXACT):
+        return (f"An extra model, not the paper's: the buddy holds exactly the reservation (no rounding), "
+                f"but each reservation still needs a free aligned 2^k block, so "
+                f"{_pct(sh['external_fragmentation'])}% of memory is stranded instead.")
+    gap = _gap(m, name) if paper else ""
     if name == "Max":
         k = res.capacity // max_len
-        text = (f"{k} x {max_len} reservations fit, {res.capacity - k * max_len} slots never hold one; "
-                f"live seqs avg {live:.0f} tok")
-        if synthetic:
+        text = (f"{k} x {max_len:,} reservations fit and the other {res.capacity - k * max_len:,} slots never "
+                f"hold one; live sequences average {live:.0f} tokens")
+        if paper and synthetic:
             implied = PAPER_TOKEN_SHARE["Max"] / 100 * res.capacity / k
-            text += f" (the paper's 20.4% implies ~{implied:.0f}; our lengths match means, not shapes)"
-        return text
-    if name.endswith(EXACT):
-        return (f"no buddy rounding: {_pct(m.internal_fragmentation_ratio)}% of held memory never used, "
-                f"but each reservation still needs a free aligned 2^k block: "
-                f"{_pct(sh['external_fragmentation'])}% stranded")
+            text = f"{gap[0].upper() + gap[1:]}: {text} (the paper's 20.4% implies ~{implied:.0f})"
+        return text + "."
     if name == "Pow2":
-        text = (f"output rounded up to 2^k, then the buddy rounds prompt + that to 2^k: "
-                f"{_pct(m.internal_fragmentation_ratio)}% of held memory never used; "
-                f"{_pct(sh['external_fragmentation'])}% stranded in blocks too small for the waiting head")
-        if synthetic:
-            text += ("; the waste depends on where lengths fall between powers of two, a property of "
-                     "the real length distribution that its published means do not fix")
-        return text
+        text = (f"internal frag {ours['internal_fragmentation']:.1f}% is the output's rounding up to 2^k, "
+                f"buddy rounding of prompt + that adds {_pct(sh['buddy_rounding'])}% and "
+                f"{_pct(sh['external_fragmentation'])}% is stranded")
+        if paper:
+            text = (f"Differs most in internal frag ({ours['internal_fragmentation']:.1f}% vs 13.6%) and external "
+                    f"& others ({ours['external_and_others']:.1f}% vs 41.6%): both are set by where lengths fall "
+                    f"between powers of two, which ShareGPT's published means do not fix (ours are "
+                    f"lognormal with those means); {text}")
+        return text[0].upper() + text[1:] + "."
     if name == "Oracle":
-        return (f"true length known, but the buddy rounds it up to 2^k: {_pct(m.internal_fragmentation_ratio)}% "
-                f"of held memory never used; {_pct(sh['reserved'])}% reserved for future tokens")
+        text = (f"it knows every length, so no internal fragmentation; external & others "
+                f"{ours['external_and_others']:.1f}% is buddy rounding {_pct(sh['buddy_rounding'])}%, "
+                f"stranded {_pct(sh['external_fragmentation'])}% and free {_pct(sh['free'])}%")
+        if paper:
+            text = f"{gap[0].upper() + gap[1:]}: {text} (paper 36.6%)"
+        return text[0].upper() + text[1:] + "."
     bs = res.block_size
-    return (f"waste is last-block tails, ~(bs-1)/2 = {(bs - 1) / 2:.1f} slots per seq = "
-            f"{_pct(m.internal_fragmentation_ratio)}% of allocated; free = memory not needed by the "
-            "requests present, the 1% admission watermark and room too small for the waiting head")
+    text = (f"internal frag {_pct(sh['internal_fragmentation'])}% of memory is the last block's unused tail "
+            f"(~(bs-1)/2 = {(bs - 1) / 2:.1f} slots per sequence, measured by the manager), its own category; "
+            f"{_pct(sh['free'])}% is free: memory the requests present do not need")
+    if paper:
+        text = (f"Token states {ours['token_states']:.1f}% vs 96.3%: {text} (the serving run's ramp-up and "
+                f"drain, the 1% admission watermark, room too small for the waiting head)")
+    return text[0].upper() + text[1:] + "."
 
 
 @dataclass
@@ -307,39 +344,47 @@ def _workload(key: str, label: str, src, opts: ReportOptions, n: int, spread, sw
 
 
 def _breakdown_table(title: str, name: str, with_band: bool) -> Table:
-    """A Fig. 2 table; ``with_band`` marks the headline one (exact-buddy rows, footnote, title)."""
-    cols = ["run", SHARE_COLUMNS[0], "band lo %", "band hi %"] + SHARE_COLUMNS[1:] + ["paper token states %", "why ours differs / what it is"]
-    plot = {"name": name, "x": "run", "y": SHARE_COLUMNS, "kind": "stacked", "marker": "paper token states %",
-            "marker_label": "paper: token states (vLLM Fig. 2)", "ylabel": "% of KV memory", "xlabel": ""}
+    """A Fig. 2 table in the paper's four categories, ours beside the paper's, then what the fourth
+    holds; ``with_band`` marks the headline one (exact-buddy rows, footnote, title)."""
+    cols = (["run"] + [c for pair in zip(SHARE_COLUMNS, PAPER_COLUMNS) for c in pair] + DETAIL_COLUMNS
+            + ["band lo %", "band hi %", "where and why ours differs"])
+    plot = {"name": name, "x": "run", "y": SHARE_COLUMNS, "kind": "stacked", "paper_stack": PAPER_COLUMNS,
+            "paper_label": "the paper's bar (vLLM Fig. 2), same colours", "ylabel": "% of KV memory (time-weighted)",
+            "xlabel": "", "legend": dict(zip(SHARE_COLUMNS, ("token states", "reservation", "internal fragmentation",
+                                                             "external fragmentation & others")))}
     plot["band"] = {SHARE_COLUMNS[0]: ["band lo %", "band hi %"]}
+    plot["band_label"] = "token states over the length-spread band"
     if with_band:
         plot["label_replace"] = [[EXACT, " exact*"]]
         plot["footnote"] = ("* exact: reservations placed by a buddy allocator without the buddy's rounding to a power of "
                             "two; an extra model, not the paper's")
-        plot["title"] = (f"Fig. 2, serving run: where KV memory goes ({title.split('; ')[-1].rstrip(')')}); "
-                         "error bar: token states over the length-spread band")
     return Table(title, cols, plot=plot)
 
 
 def _add_rows(t: Table, wl: _Workload, runs: dict, band: dict) -> None:
     for name, (res, m) in runs.items():
-        sh = m.shares
-        ref = PAPER_TOKEN_SHARE.get(name) if wl.key == "sharegpt" else None
-        row = [f"{wl.label} / {name}", _pct(sh["token_states"])]
+        paper = PAPER_BARS.get(name) if wl.key == "sharegpt" else None
+        p = m.paper_shares
+        row = [f"{wl.label} / {name}"]
+        for i, k in enumerate(PAPER_CATEGORIES):
+            row += [_pct(p[k]), paper[i] if paper else None]
+        row += [_pct(m.shares[k]) for k in DETAIL_KEYS]
         vals = band.get(name, [])
         row += [_pct(min(vals + [m.token_share])), _pct(max(vals + [m.token_share]))] if vals else [None, None]
-        row += [_pct(sh[c]) for c in CATEGORIES[1:]]
-        t.add(*row, ref, _why(name, m, res, PAPER_MAX_LEN, wl.synthetic))
+        t.add(*row, _why(name, m, res, PAPER_MAX_LEN, wl.synthetic, paper is not None))
 
 
 def _cost_table(wls: list[_Workload], cm: CostModel) -> Table:
     t = Table(
-        f"What the waste costs: batch and throughput when saturated (t = 0), {PAPER_MODEL} on an {PAPER_GPU}",
-        ["run", "avg batch", "requests/s", "tokens/s", "x Max", "preemptions"],
-        plot={"name": "fig2_throughput", "x": "run", "y": ["requests/s"], "kind": "bar",
-              "annotate": "avg batch", "annotate_format": "batch {}", "ylabel": "requests/s served when saturated",
-              "xlabel": "", "title": f"What the waste costs: throughput when saturated, {PAPER_MODEL} on an "
-                                     f"{PAPER_GPU} (label: average batch, sequences per step)"},
+        f"What the waste costs: batch and throughput when saturated (t = 0), step times modelled for "
+        f"{PAPER_MODEL} on an {PAPER_GPU}",
+        ["run", "avg batch", "requests/s (modelled)", "output tokens/s (modelled)", "x Max", "preemptions"],
+        plot={"name": "fig2_throughput", "x": "run", "y": ["requests/s (modelled)"], "kind": "bar",
+              "annotate": "avg batch", "annotate_format": "batch {}",
+              "ylabel": "requests/s served when saturated (modelled)", "legend": {"requests/s (modelled)":
+                                                                               "requests/s, modelled step times"},
+              "xlabel": "", "title": f"Requests/s each allocator serves when saturated, step times modelled for "
+                                     f"{PAPER_MODEL} on an {PAPER_GPU} (label: average batch, sequences per step)"},
     )
     for wl in wls:
         base = wl.saturated["Max"][1].throughput_rps
@@ -437,13 +482,16 @@ def section(opts: ReportOptions) -> Section:
     head = wls[0]
     num_blocks, cm = paper_setup(opts.block_size)
     srv_t = _breakdown_table(
-        f"Fig. 2, serving run: KV memory by category (% of all KV memory, time-weighted over the run; "
-        f"Poisson arrivals at {head.rate:g} req/s on ShareGPT-like)", "fig2_breakdown", with_band=True)
+        f"Fig. 2, serving run: KV memory in the paper's four categories, ours beside the paper's (% of "
+        f"all KV memory, time-weighted over the run; Poisson arrivals at {head.rate:g} req/s on "
+        f"ShareGPT-like)", "fig2_breakdown", with_band=True)
+    srv_t.plot["title"] = (f"KV memory by the paper's categories, serving run (ShareGPT-like at {head.rate:g} "
+                           f"req/s, OPT-13B, 12 GiB): ours (wide bars) against vLLM Fig. 2 (narrow bars)")
     sat_t = _breakdown_table(
         "Fig. 2, second view: saturated, every request at t = 0 (time-weighted while requests wait)",
         "fig2_saturated", with_band=False)
-    sat_t.plot["title"] = ("Fig. 2, second view: where KV memory goes when every request arrives at t = 0; "
-                           "error bar: token states over the length-spread band")
+    sat_t.plot["title"] = ("KV memory by the paper's categories when every request arrives at t = 0 "
+                           "(averaged while requests wait): ours (wide bars) against vLLM Fig. 2 (narrow bars)")
     for wl in wls:
         _add_rows(srv_t, wl, wl.serving, wl.band)
         _add_rows(sat_t, wl, wl.saturated, wl.sat_band)
@@ -458,12 +506,18 @@ def section(opts: ReportOptions) -> Section:
         "power of two; Oracle the prompt + the true output; each placed by a classic buddy allocator "
         "(reservations held as powers of two, the paper's assumption). Rows marked exact buddy place "
         "without that rounding: an extra model, not the paper's.",
+        "Categories (the paper's, section 2.3): token states; reservation = slots a request will "
+        "fill before it finishes; internal frag = slots reserved beyond the request's real final "
+        "length (Oracle, knowing every length, has none; for paging, the unused tail of each last "
+        "block, measured by the manager); external frag & others = everything else: the buddy's "
+        "rounding of a reservation up to a power of two, free slots stranded in blocks too small "
+        "for the waiting request (stranded), and free memory. The last three columns split it.",
         _band_note(spread, head),
-        "Paper column: vLLM paper Fig. 2 (ShareGPT, OPT-13B); it has no Azure bars.",
+        "Paper columns: vLLM paper Fig. 2 (ShareGPT, OPT-13B, read from its bars); it has no Azure "
+        "bars, and for vLLM it gives the token states share only.",
     ]
     sat_t.notes += [memory, "Band: the same rerun at the two log-sds as in the serving-run table.",
-                    "External = free slots in buddy blocks too small for the waiting head's "
-                    "reservation; free = every other free slot."]
+                    "Categories and columns as in the serving-run table."]
     tables = [srv_t, sat_t, _cost_table(wls, cm)]
     if head.sweep:
         tables.append(_sweep_table(head))
@@ -494,13 +548,14 @@ def _band_note(spread, head: _Workload) -> str:
 
 
 def _shares(m: Metrics) -> dict:
-    return {"shares": m.shares, "avg_batch": m.avg_batch, "throughput_rps": m.throughput_rps,
+    return {"shares": m.shares, "paper_categories": m.paper_shares, "avg_batch": m.avg_batch, "throughput_rps": m.throughput_rps,
             "internal_fragmentation_ratio": m.internal_fragmentation_ratio, "preemptions": m.preemptions,
             "window": m.window}
 
 
 def _data(wls: list[_Workload], spread, n: int) -> dict:
-    out = {"paper_token_share": PAPER_TOKEN_SHARE, "num_requests": n,
+    out = {"paper_token_share": PAPER_TOKEN_SHARE, "num_requests": n, "model": PAPER_MODEL,
+           "paper_bars": {k: dict(zip(PAPER_CATEGORIES, v)) for k, v in PAPER_BARS.items()},
            "log_sd_range": list(spread) if spread else None, "workloads": {}}
     for wl in wls:
         out["workloads"][wl.label] = {

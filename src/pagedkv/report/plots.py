@@ -9,6 +9,9 @@ never show a number the table does not. The hint (see :class:`~pagedkv.tables.Ta
 - ``marker``: a column of reference values (the paper's), drawn as a black line across each bar
   (or a diamond on a line plot); a missing value draws nothing; ``marker_label`` names it in the
   legend;
+- ``paper_stack`` (``stacked``): columns of a published bar, one per ``y`` column in the same
+  order, drawn as a narrow hatched bar beside each of ours (a segment per category, so every
+  category has its mark); missing values draw nothing; ``paper_label`` names it in the legend;
 - ``band``: ``{y column: [low column, high column]}``, drawn as an error bar from low to high
   (for ``stacked``, on top of the first ``y`` segment), named ``band_label`` in the legend;
   ``bands`` (bars): more ranges around the first ``y`` series, ``[{"cols": [low, high], "label":
@@ -18,10 +21,13 @@ never show a number the table does not. The hint (see :class:`~pagedkv.tables.Ta
 - ``annotate``: a column whose values are written above the bars (``annotate_format``, e.g.
   ``"batch {}"``);
 - ``xlabels``: columns whose values name each bar together (``"k=4, p=0.3"``) instead of ``x``;
-  ``legend``: ``{column: label}`` for series whose column names are terse;
+  ``legend``: ``{column: label}`` for series whose column names are terse; ``styles`` (lines):
+  ``{column: matplotlib line keywords}`` (``{"linestyle": "--"}``: a model apart from measurements);
 - ``annotate_values``: write every bar's value on it (a zero shows as "0", not as nothing);
 - ``label_replace``: ``[[old, new], ...]`` applied to the bar labels (shorter names under bars);
   ``footnote``: a line under the plot (what a shortened label means);
+- ``label_last`` (lines): a dotted vertical line at the last x, labelled ``"<label>: <x>"``
+  (the trace's end);
 - ``hline``: ``[column, label]``, the column's (first present) value drawn as a dashed line
   across the plot (an ideal, a bound);
 - ``logx`` (``logx_base``, default 2; ticks in plain numbers), ``logy``, ``ymin`` (e.g. 0: the axis starts there), ``ymax``, ``ylabel``, ``xlabel``, ``title``
@@ -39,8 +45,8 @@ from ..tables import Table, fmt
 __all__ = ["plot_available", "plot_table", "plot_name"]
 
 _NAME = re.compile(r"^[a-z0-9_]{1,40}$")
-# Colours for the Fig. 2 categories, in CATEGORIES order, so every stacked plot reads the same.
-_STACK_COLOURS = ("#2b8cbe", "#a6bddb", "#fdae6b", "#e6550d", "#d9d9d9")
+# Colours for the Fig. 2 categories, in the paper's order, so every stacked plot reads the same.
+_STACK_COLOURS = ("#2b8cbe", "#a6bddb", "#fdae6b", "#bdbdbd", "#d9d9d9")
 
 
 def plot_available() -> bool:
@@ -74,13 +80,14 @@ def _present(values: list[float]) -> bool:
 
 
 def _band(ax, xs, centre, lo, hi, colour="black", label=None) -> None:
-    """Error bars from ``lo`` to ``hi`` at ``xs`` (skipping missing values)."""
+    """Error bars from ``lo`` to ``hi`` at ``xs`` (skipping missing values); a dot marks the
+    centre, so a range narrower than its caps still shows."""
     pts = [(x, c, c - a, b - c) for x, c, a, b in zip(xs, centre, lo, hi)
            if not (math.isnan(c) or math.isnan(a) or math.isnan(b))]
     if pts:
         x, c, down, up = zip(*pts)
-        ax.errorbar(x, c, yerr=[[max(d, 0) for d in down], [max(u, 0) for u in up]], fmt="none",
-                    ecolor=colour, elinewidth=1.2, capsize=3, zorder=4, label=label)
+        ax.errorbar(x, c, yerr=[[max(d, 0) for d in down], [max(u, 0) for u in up]], fmt="o", markersize=3,
+                    color=colour, ecolor=colour, elinewidth=1.5, capsize=5, capthick=1.5, zorder=6, label=label)
 
 
 def _marker(ax, xs, values, width, label) -> None:
@@ -126,9 +133,12 @@ def _ref_range(ax, xs, lo, hi, offset, label) -> None:
         first = False
 
 
-def _group_labels(ax, groups) -> None:
-    for centre, group in groups:  # the group (workload) under its bars
-        ax.annotate(group, (centre, 0), xycoords=ax.get_xaxis_transform(), xytext=(0, -46),
+def _group_labels(ax, groups, labels=()) -> None:
+    """Each group's name (the workload) right under its bars' tick labels: the offset follows the
+    tallest tick label (lines of 7-point text)."""
+    lines = max((lab.count("\n") + 1 for lab in labels), default=1)
+    for centre, group in groups:
+        ax.annotate(group, (centre, 0), xycoords=ax.get_xaxis_transform(), xytext=(0, -(10 + 9 * lines)),
                     textcoords="offset points", ha="center", va="top", fontsize=8, fontweight="bold")
 
 
@@ -165,33 +175,51 @@ def _draw_bars(ax, table: Table, hint: dict, x: list) -> None:
         lo, hi = hint["ref_range"]
         _ref_range(ax, centres, _numbers(table, lo), _numbers(table, hi), 0.45, hint.get("ref_label", f"{lo} .. {hi}"))
     ax.set_xticks(centres, labels, fontsize=7)
-    _group_labels(ax, groups)
+    _group_labels(ax, groups, labels)
 
 
 def _draw_stacked(ax, table: Table, hint: dict, x: list) -> None:
     ys = hint["y"]
     pos, labels, groups = _group_positions(x, hint)
+    paper = hint.get("paper_stack")
+    width = 0.55 if paper else 0.7
+    ours = [p - 0.1 for p in pos] if paper else pos
     bottom = [0.0] * len(x)
     for i, name in enumerate(ys):
         vals = [0.0 if math.isnan(v) else v for v in _numbers(table, name)]
-        ax.bar(pos, vals, bottom=bottom, width=0.7, label=name,
+        ax.bar(ours, vals, bottom=bottom, width=width, label=hint.get("legend", {}).get(name, name),
                color=_STACK_COLOURS[i % len(_STACK_COLOURS)], edgecolor="white", linewidth=0.5, zorder=2)
         bottom = [b + v for b, v in zip(bottom, vals)]
+    if paper:  # the published bar beside ours, one hatched segment per category
+        bottom = [0.0] * len(x)
+        first = True
+        for i, name in enumerate(paper):
+            vals = _numbers(table, name)
+            pts = [(p + 0.3, v, b) for p, v, b in zip(pos, vals, bottom) if not math.isnan(v)]
+            if pts:
+                px, pv, pb = zip(*pts)
+                ax.bar(px, pv, bottom=pb, width=0.16, color=_STACK_COLOURS[i % len(_STACK_COLOURS)],
+                       edgecolor="black", linewidth=0.6, hatch="///", zorder=2,
+                       label=hint.get("paper_label", "paper") if first else None)
+                first = False
+            bottom = [b + (0.0 if math.isnan(v) else v) for b, v in zip(bottom, vals)]
     band = hint.get("band", {})
     if ys[0] in band:
         lo, hi = band[ys[0]]
-        _band(ax, pos, _numbers(table, ys[0]), _numbers(table, lo), _numbers(table, hi))
+        _band(ax, ours, _numbers(table, ys[0]), _numbers(table, lo), _numbers(table, hi),
+              label=hint.get("band_label"))
     if hint.get("marker"):
-        _marker(ax, pos, _numbers(table, hint["marker"]), 0.7, hint.get("marker_label", hint["marker"]))
+        _marker(ax, ours, _numbers(table, hint["marker"]), width, hint.get("marker_label", hint["marker"]))
     ax.set_xticks(pos, labels, fontsize=7)
-    _group_labels(ax, groups)
+    _group_labels(ax, groups, labels)
     ax.set_ylim(0, 100)
 
 
 def _draw_lines(ax, table: Table, hint: dict, x: list) -> None:
     for name in hint["y"]:
         vals = _numbers(table, name)
-        ax.plot(x, vals, marker="o", label=hint.get("legend", {}).get(name, name), zorder=3)
+        style = {"marker": "o", **hint.get("styles", {}).get(name, {})}
+        ax.plot(x, vals, label=hint.get("legend", {}).get(name, name), zorder=3, **style)
         if name in hint.get("band", {}):
             lo, hi = hint["band"][name]
             _band(ax, x, vals, _numbers(table, lo), _numbers(table, hi))
@@ -201,6 +229,10 @@ def _draw_lines(ax, table: Table, hint: dict, x: list) -> None:
         if pts:
             ax.scatter(*zip(*pts), marker="D", s=50, color="black", zorder=5,
                        label=hint.get("marker_label", hint["marker"]))
+    if hint.get("label_last") and x:  # name the last point (a trace's end) on the axis
+        ax.axvline(x[-1], color="grey", linestyle=":", linewidth=1, zorder=1)
+        ax.annotate(f"{hint['label_last']}: {fmt(x[-1])}", (x[-1], 0), xycoords=("data", "axes fraction"),
+                    xytext=(-3, 4), textcoords="offset points", ha="right", fontsize=7)
     if hint.get("logx"):
         from matplotlib.ticker import FuncFormatter
 
@@ -246,8 +278,10 @@ def plot_table(table: Table, out_dir: Path) -> Path | None:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     else:
         ax.legend(fontsize=7)
-    if hint.get("footnote"):
-        ax.annotate(hint["footnote"], (0, 0), xycoords="axes fraction", xytext=(0, -78),
+    if hint.get("footnote"):  # under the tick labels, the group names and the axis label
+        lines = max((t.get_text().count("\n") + 1 for t in ax.get_xticklabels()), default=1)
+        below = 10 + 9 * lines + (14 if any(x and " / " in str(x) for x in x) else 0) + (14 if ax.get_xlabel() else 0)
+        ax.annotate(hint["footnote"], (0, 0), xycoords="axes fraction", xytext=(0, -below - 6),
                     textcoords="offset points", ha="left", va="top", fontsize=7, style="italic")
     fig.tight_layout()
     path = Path(out_dir) / f"{name}.png"

@@ -20,20 +20,26 @@ model, not the paper's, kept for comparison only.
 ==========================  =================================================================
 ``token_states``            slots holding a running sequence's KV (paged: shared blocks once)
 ``reserved``                reserved slots the sequence will fill before it finishes
-``internal_fragmentation``  allocated slots never to be used: reservation beyond the true final
-                            length, or (paged) the unused tail of each last block
+``internal_fragmentation``  slots the policy reserved beyond the request's true final length
+                            (the paper's definition: Oracle has none), or (paged) the unused
+                            tail of each last block
 ``external_fragmentation``  free slots that cannot serve the blocked head-of-queue request
                             (in buddy blocks too small for its reservation)
 ``free``                    every other free slot
+``buddy_rounding``          slots the buddy holds beyond the policy's reservation (its rounding
+                            up to a power of two; 0 for ``exact`` placement and for paging)
 ==========================  =================================================================
 
-The five always sum to the capacity exactly (tests check it). Worked example (Max, 2,048-slot
-reservations, 5,000 slots, so the buddy arena is 4,096 + 512 + 256 + 128 + 8): one sequence at 300
-of its final 500 tokens holds 300 token states, 200 reserved and 1,548 internal fragmentation. A
-second reservation takes the other half of the 4,096 block; a third must wait, and the 904 free
-slots, none in a block that can hold 2,048, are external fragmentation. Internal fragmentation of
-a reservation is everything it holds beyond the true final length: the policy's over-reservation
-plus the buddy's rounding (Pow2 above: 132 - 125 = 7 and 256 - 132 = 124, so 131 of 256).
+The six always sum to the capacity exactly (tests check it). The vLLM paper's Fig. 2 has four
+categories: token states, reservation, internal fragmentation, and "external fragmentation &
+others", which is the last three here together (:func:`paper_categories`). Worked example (Max,
+2,048-slot reservations, 5,000 slots, so the buddy arena is 4,096 + 512 + 256 + 128 + 8): one
+sequence at 300 of its final 500 tokens holds 300 token states, 200 reserved and 1,548 internal
+fragmentation. A second reservation takes the other half of the 4,096 block; a third must wait,
+and the 904 free slots, none in a block that can hold 2,048, are external fragmentation. Pow2
+(prompt 100, output 25) reserves 132 and the buddy holds 256: 132 - 125 = 7 slots of internal
+fragmentation and 256 - 132 = 124 of buddy rounding; Oracle reserves 125, holds 128: no internal
+fragmentation, 3 slots of rounding.
 
 Parallel sampling and beam search: a reservation baseline reserves every sequence separately
 (no sharing: each sample or beam holds its own copy of the prompt). The paged adapter forks
@@ -66,10 +72,15 @@ __all__ = [
     "generated_tokens",
     "pow2_ceil",
     "POLICY_NAMES",
+    "PAPER_CATEGORIES",
+    "paper_categories",
 ]
 
 POLICY_NAMES = {"max": "Max", "pow2": "Pow2", "oracle": "Oracle"}
-CATEGORIES = ("token_states", "reserved", "internal_fragmentation", "external_fragmentation", "free")
+CATEGORIES = ("token_states", "reserved", "internal_fragmentation", "external_fragmentation", "free",
+              "buddy_rounding")
+# The vLLM paper's Fig. 2 categories; the last is this module's last three together.
+PAPER_CATEGORIES = ("token_states", "reserved", "internal_fragmentation", "external_and_others")
 ALLOCATORS = ("max", "pow2", "oracle", "paged")
 
 
@@ -82,20 +93,34 @@ class Breakdown:
     internal_fragmentation: int
     external_fragmentation: int
     free: int
+    buddy_rounding: int = 0
 
     @property
     def total(self) -> int:
         return (self.token_states + self.reserved + self.internal_fragmentation
-                + self.external_fragmentation + self.free)
+                + self.external_fragmentation + self.free + self.buddy_rounding)
 
-    def as_tuple(self) -> tuple[int, int, int, int, int]:
+    def as_tuple(self) -> tuple[int, int, int, int, int, int]:
         return (self.token_states, self.reserved, self.internal_fragmentation,
-                self.external_fragmentation, self.free)
+                self.external_fragmentation, self.free, self.buddy_rounding)
 
     def shares(self) -> dict[str, float]:
         """Each category's share of the memory (sums to 1 up to float rounding)."""
         t = self.total
         return {k: (v / t if t else 0.0) for k, v in zip(CATEGORIES, self.as_tuple())}
+
+
+def paper_categories(shares: dict[str, float]) -> dict[str, float]:
+    """``shares`` (by :data:`CATEGORIES`) in the vLLM paper's four Fig. 2 categories: token states,
+    reservation, internal fragmentation, and external fragmentation & others (buddy rounding,
+    stranded and free slots together). Example: Oracle at 38 / 25 / 0 / 9 / 2 / 26 % becomes
+    38 / 25 / 0 / 37 %."""
+    missing = [k for k in CATEGORIES if k not in shares]
+    if missing:
+        raise KeyError(f"shares lack {missing}")
+    return {"token_states": shares["token_states"], "reserved": shares["reserved"],
+            "internal_fragmentation": shares["internal_fragmentation"],
+            "external_and_others": shares["external_fragmentation"] + shares["free"] + shares["buddy_rounding"]}
 
 
 def seq_key(seq_id: str) -> int:
@@ -169,6 +194,7 @@ class KVAllocator(ABC):
 class _Reservation:
     offsets: list[int]
     size: int  # slots held per sequence (the buddy block: the policy's size rounded to 2**k)
+    reserve: int  # slots the policy reserved per sequence (before the buddy's rounding)
     final: int  # true final length
     length: int  # current length
 
@@ -189,7 +215,8 @@ class ReservationAllocator(KVAllocator):
     then holds the next power of two of that reservation (classic placement, the paper's
     assumption). Example with ``max_len=2048`` and a 161 + 338 = 499-token request: 2,048 /
     161 + 512 = 673 / 499 slots reserved, holding 2,048 / 1,024 / 512; when it finishes, Max has
-    wasted 1,549 slots on internal fragmentation, Pow2 525, Oracle 13.
+    wasted 1,549 slots on internal fragmentation (reserved beyond the true length), Pow2 174 (and
+    351 of buddy rounding), Oracle none (13 of buddy rounding).
 
     ``exact=True`` (not the paper's model; an extra for comparison) holds exactly the reservation
     and gives the rest of the power-of-two block back to the free lists at once.
@@ -207,7 +234,7 @@ class ReservationAllocator(KVAllocator):
         self.exact = exact
         self.name = POLICY_NAMES[policy] + (" (exact buddy)" if exact else "")
         self._reqs: dict[str, _Reservation] = {}
-        self._tokens = self._reserved = self._internal = 0
+        self._tokens = self._reserved = self._internal = self._rounding = 0
         self._last_size: tuple[Request | None, int] = (None, 0)
 
     def reserve_size(self, req: Request) -> int:
@@ -253,7 +280,7 @@ class ReservationAllocator(KVAllocator):
                 return False
             offsets.append(off)
         held = self.buddy.size_of(offsets[0])  # == self.held_size(req)
-        r = _Reservation(offsets, held, req.total_len, req.prompt_len + generated)
+        r = _Reservation(offsets, held, size, req.total_len, req.prompt_len + generated)
         self._reqs[req.req_id] = r
         self._add(r, +1)
         self.last_hit_tokens = 0
@@ -263,7 +290,8 @@ class ReservationAllocator(KVAllocator):
         n = len(r.offsets)
         self._tokens += sign * n * r.length
         self._reserved += sign * n * (r.final - r.length)
-        self._internal += sign * n * (r.size - r.final)
+        self._internal += sign * n * (r.reserve - r.final)
+        self._rounding += sign * n * (r.size - r.reserve)
 
     def step(self, req_ids: Sequence[str]) -> int:
         reqs = [self._reqs[i] for i in req_ids]
@@ -294,13 +322,13 @@ class ReservationAllocator(KVAllocator):
     def breakdown(self, blocked: Request | None = None) -> Breakdown:
         free = self.buddy.free_slots
         ext = self.buddy.unusable_free(self.reserve_size(blocked)) if blocked is not None else 0
-        return Breakdown(self._tokens, self._reserved, self._internal, ext, free - ext)
+        return Breakdown(self._tokens, self._reserved, self._internal, ext, free - ext, self._rounding)
 
     def check(self) -> None:
         self.buddy.check()
         held = sum(len(r.offsets) * r.size for r in self._reqs.values())
         assert held == self.buddy.allocated_slots, (held, self.buddy.allocated_slots)
-        assert self._tokens + self._reserved + self._internal == held
+        assert self._tokens + self._reserved + self._internal + self._rounding == held
 
 
 # ---- beam search model ------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .baselines import CATEGORIES
+from .baselines import CATEGORIES, paper_categories
 from .scheduler import SimResult, StepLog
 
 __all__ = ["Metrics", "compute", "window_mask", "time_weighted_shares", "tail_latency", "QUANTILES"]
@@ -65,7 +65,7 @@ class Metrics:
     """One run's numbers. Shares are fractions (0.204, not 20.4).
 
     ``internal_fragmentation_ratio`` is internal fragmentation over *allocated* memory (token
-    states + reserved + internal), which for the paged cache is the manager's own
+    states + reserved + internal + buddy rounding), which for the paged cache is the manager's own
     ``1 - stored_tokens / allocated_slots``, time-weighted. ``sharing_saving`` is blocks saved by
     sharing over the blocks the sequences would need without it (``sum ceil(len / bs)``),
     time-weighted over decode iterations (paged only; 0 for reservations).
@@ -94,6 +94,12 @@ class Metrics:
     def token_share(self) -> float:
         return self.shares["token_states"]
 
+    @property
+    def paper_shares(self) -> dict[str, float]:
+        """The shares in the vLLM paper's four Fig. 2 categories (see
+        :func:`~pagedkv.sim.baselines.paper_categories`)."""
+        return paper_categories(self.shares)
+
 
 def _weighted(values: np.ndarray, dt: np.ndarray) -> float:
     total = float(dt.sum())
@@ -108,7 +114,7 @@ def compute(result: SimResult, window: str = "saturated") -> Metrics:
     s = result.steps
     mask = window_mask(s, window)
     shares = time_weighted_shares(s, result.capacity, mask)
-    held = shares["token_states"] + shares["reserved"] + shares["internal_fragmentation"]
+    held = shares["token_states"] + shares["reserved"] + shares["internal_fragmentation"] + shares["buddy_rounding"]
     decode = s.tokens > 0
     dt = s.dt[decode]
     logical = float(s.logical_blocks[decode].astype(np.float64) @ dt)

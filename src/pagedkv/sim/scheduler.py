@@ -254,11 +254,12 @@ class _Recorder:
 
     def log(self) -> "StepLog":
         f = np.array(self.times, dtype=np.float64).reshape(-1, 2)
-        a = np.array(self.ints, dtype=np.int64).reshape(-1, 15)
+        k = 8 + len(CATEGORIES)
+        a = np.array(self.ints, dtype=np.int64).reshape(-1, k + 2)
         return StepLog(t=f[:, 0], dt=f[:, 1], batch=a[:, 0], running=a[:, 1], tokens=a[:, 2],
                        prefill=a[:, 3], kv_read=a[:, 4], waiting=a[:, 5] > 0, blocked=a[:, 6] > 0,
-                       idle=a[:, 7] > 0, slots=a[:, 8:13].copy(), logical_blocks=a[:, 13],
-                       saved_blocks=a[:, 14])
+                       idle=a[:, 7] > 0, slots=a[:, 8:k].copy(), logical_blocks=a[:, k],
+                       saved_blocks=a[:, k + 1])
 
 
 @dataclass
@@ -280,7 +281,7 @@ class StepLog:
     waiting: np.ndarray
     blocked: np.ndarray
     idle: np.ndarray
-    slots: np.ndarray  # [steps, 5] int64, rows sum to the capacity
+    slots: np.ndarray  # [steps, len(CATEGORIES)] int64, rows sum to the capacity
     logical_blocks: np.ndarray
     saved_blocks: np.ndarray
 

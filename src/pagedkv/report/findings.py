@@ -1,0 +1,224 @@
+"""The report's opening: its headline results, one sentence each, read from the sections' data.
+
+Each finding is a sentence with its number, the published number beside it where one exists,
+and a link to the section that measured it. Nothing here is computed anew or typed in: a finding
+reads what its section put in ``Section.data`` (or its tables), and a section that was not run
+(``--sections``) or was skipped (no trace) gives no finding. Worked example (the full report):
+"Paging keeps 92.0% of KV memory holding token states over a serving run (paper: 96.3%) ...".
+"""
+from __future__ import annotations
+
+import re
+import textwrap
+from dataclasses import dataclass
+from typing import Callable
+
+from ..tables import TEXT_WIDTH, Section, plain
+
+__all__ = ["Finding", "findings", "anchor", "to_markdown", "to_text", "HEADING"]
+
+HEADING = "Findings"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One headline result: ``text`` (a sentence with its numbers) and the section it comes from."""
+
+    text: str
+    key: str
+    heading: str
+
+
+def anchor(heading: str) -> str:
+    """The Markdown anchor GitHub gives a heading: lower case, punctuation dropped, spaces to
+    hyphens. ``"Memory waste: pre-allocation vs paging (vLLM Fig. 2)"`` ->
+    ``"memory-waste-pre-allocation-vs-paging-vllm-fig-2"``."""
+    text = re.sub(r"[^\w\- ]", "", plain(heading).lower())
+    return text.replace(" ", "-")
+
+
+def _wrap(text: str, width: int, first: str, rest: str) -> list[str]:
+    return textwrap.wrap(text, width, initial_indent=first, subsequent_indent=rest,
+                         break_long_words=False, break_on_hyphens=False)
+
+
+def _pct(x: float, digits: int = 1) -> str:
+    return f"{100 * x:.{digits}f}%"
+
+
+def _table(sec: Section, plot: str):
+    return next(t for t in sec.tables if t.plot and t.plot.get("name") == plot)
+
+
+def _fig2(sec: Section) -> list[str]:
+    d = sec.data["workloads"].get("ShareGPT-like")
+    if d is None:
+        return []
+    srv = d["serving"]
+    paper = sec.data["paper_bars"]
+    paged = srv["paged"]["paper_categories"]
+    ts = {n: 100 * srv[n]["paper_categories"]["token_states"] for n in ("Max", "Pow2", "Oracle")}
+    gaps = {n: max(abs(100 * srv[n]["paper_categories"][k] - v) for k, v in paper[n].items())
+            for n in ("Max", "Oracle")}
+    sat = d["saturated"]
+    speedup = sat["paged"]["throughput_rps"] / sat["Max"]["throughput_rps"]
+    return [
+        f"Paging keeps {_pct(paged['token_states'])} of KV memory holding token states over a "
+        f"ShareGPT-like serving run (paper: 96.3%), its only waste the last block's tail "
+        f"({_pct(paged['internal_fragmentation'])}); the Orca reservations keep Max "
+        f"{ts['Max']:.1f}%, Pow2 {ts['Pow2']:.1f}%, Oracle {ts['Oracle']:.1f}% (paper: 20.4%, 26.8%, "
+        f"38.2%).",
+        f"By the paper's four categories (token states, reservation, internal and external "
+        f"fragmentation) Max's largest gap to the paper's bars is {gaps['Max']:.1f} points and "
+        f"Oracle's {gaps['Oracle']:.1f}; Oracle has no internal fragmentation "
+        f"({_pct(srv['Oracle']['paper_categories']['internal_fragmentation'])}, paper 0%).",
+        f"Saturated, paging serves {speedup:.2f}x the requests/s of Orca Max ({sat['paged']['throughput_rps']:.2f} "
+        f"against {sat['Max']['throughput_rps']:.2f} requests/s, step times modelled for OPT-13B on an "
+        f"A100-40GB; the paper reports 2-4x over Orca at equal latency, a different measure).",
+    ]
+
+
+def _fork(sec: Section) -> list[str]:
+    t = next(iter(sec.tables))
+    rows = {r[0]: r for r in t.rows}
+    row = rows.get(2048)
+    if row is None:
+        return []
+    us = row[t.columns.index("fork µs (median)")]
+    eager = row[t.columns.index("eager copy MiB")]
+    return [f"Forking a 2,048-token sequence takes {us:.1f} µs (median, measured) and copies no KV, "
+            f"where copying it eagerly would move {eager:,.0f} MiB."]
+
+
+def _cow(sec: Section) -> list[str]:
+    d = sec.data
+    return [f"Copy-on-write keeps every sample of a real (random-weight) decoder exact: largest logit "
+            f"error {d['max_error_cow']:.1e}, against {d['max_error_in_place']:.2f} when the child "
+            f"writes in place."]
+
+
+def _block_size(sec: Section) -> list[str]:
+    by = sec.data["by_block_size"]
+    if 16 not in by or 256 not in by:
+        return []
+    return [f"Paging's internal fragmentation follows (block size - 1) / 2 slots per sequence: "
+            f"{_pct(by[16]['internal_fragmentation'])} of allocated memory at block size 16 "
+            f"(model {_pct(by[16]['predicted'])}), {_pct(by[256]['internal_fragmentation'])} at 256 "
+            f"(model {_pct(by[256]['predicted'])})."]
+
+
+def _sharing(sec: Section) -> list[str]:
+    s, p = sec.data["saving"], sec.data["paper_saving"]
+    par = [100 * s[f"alpaca/parallel/{n}"]["saved"] for n in (2, 4, 6)]
+    beam = [100 * s[f"alpaca/beam/{n}"]["saved"] for n in (2, 4, 6)]
+    return [f"Sharing saves {par[0]:.1f}% to {par[2]:.1f}% of blocks for parallel sampling (n = 2 to 6) "
+            f"and {beam[0]:.1f}% to {beam[2]:.1f}% for beam search (width 2 to 6) on Alpaca-like "
+            f"lengths (paper Fig. 15: {p['parallel/2']}% to {p['parallel/6']}% and {p['beam/2']}% to "
+            f"{p['beam/6']}%)."]
+
+
+def _prefix(sec: Section) -> list[str]:
+    d = sec.data
+    if "whole_trace_hit_rate" not in d:
+        return []
+    caps = d.get("by_capacity") or []
+    small = caps[0] if caps else None
+    text = (f"An unbounded prefix cache serves {_pct(d['whole_trace_hit_rate'], 2)} of the Mooncake "
+            f"conversation trace's prompt tokens ({d['requests']:,} requests)")
+    if small is not None:
+        text += f"; one of {small['gib']:,.0f} GiB ({small['capacity']}) serves {_pct(small['hit_rate'])}"
+    return [text + "."]
+
+
+def _livelock(sec: Section) -> list[str]:
+    th = sec.data["thrash"]
+    pr = sec.data["pr_44594_preemptions"]
+    off, ten = th.get("vLLM v1 (no watermark)"), th.get("watermark 10%")
+    if off is None or ten is None:
+        return []
+    return [f"An admission watermark cuts recompute thrashing: {off['preemptions']:,} preemptions "
+            f"without one, {ten['preemptions']:,} at 10% (vLLM PR #44594, their run: "
+            f"{pr['off']:,} and {pr['0.1']:,})."]
+
+
+def _swap(sec: Section) -> list[str]:
+    d = sec.data
+    rows = d["by_block_size"]
+    mfu = d["mfu"]
+    r16 = rows[16]["swap_s"][10] / rows[16]["recompute_s_by_mfu"][mfu]
+    cross = d["crossover"][10]["per_layer"][d["tokens"]]
+    return [f"Swapping a preempted {d['tokens']:,}-token sequence first beats recomputing it at block "
+            f"size {cross} (modelled: 10 µs per copy, recompute at {100 * mfu:.0f}% MFU); at 16 it "
+            f"takes {r16:.2f}x the recompute (paper: comparable from 16 to 64)."]
+
+
+def _host(sec: Section) -> list[str]:
+    m = sec.data.get("mooncake")
+    if not m:
+        return []
+    by = m["by_host"]
+    keys = sorted(by, key=int)
+    none, big = by[keys[0]], by[keys[-1]]
+    return [f"On the Mooncake trace a host tier {int(keys[-1])}x the device "
+            f"pool adds {_pct(big['host_hit_rate'])} of prompt tokens as host hits to the device's "
+            f"{_pct(none['device_hit_rate'])} (first {m['requests']:,} requests)."]
+
+
+def _fleet(sec: Section) -> list[str]:
+    r = sec.data.get("routers")
+    if not r or "ring" not in r or "round-robin" not in r:
+        return []
+    ring, rr = r["ring"], r["round-robin"]
+    text = (f"On 16 replicas the consistent-hash ring hits {_pct(ring['hit_rate'])} of prompt tokens "
+            f"against round-robin's {_pct(rr['hit_rate'])}, but loses on TTFT p90 "
+            f"({1e3 * ring['ttft_p90_s']:.0f} against {1e3 * rr['ttft_p90_s']:.0f} ms, modelled) and "
+            f"on imbalance ({ring['imbalance']:.2f} against {rr['imbalance']:.2f})")
+    p = r.get("precise")
+    if p:
+        text += (f"; the precise router hits {_pct(p['hit_rate'])} at TTFT p90 "
+                 f"{1e3 * p['ttft_p90_s']:.0f} ms")
+    return [text + "."]
+
+
+_FINDERS: dict[str, Callable[[Section], list[str]]] = {
+    "fig2": _fig2, "fork_cost": _fork, "cow_proof": _cow, "block_size": _block_size, "sharing": _sharing,
+    "prefix_hits": _prefix, "livelock": _livelock, "swap_vs_recompute": _swap, "host_offload": _host,
+    "fleet": _fleet,
+}
+# The order findings are listed in: the paper's question first.
+_ORDER = ("fig2", "block_size", "fork_cost", "cow_proof", "sharing", "prefix_hits", "swap_vs_recompute",
+          "livelock", "host_offload", "fleet")
+
+
+def findings(sections: list[Section]) -> list[Finding]:
+    """The headline results of the sections given, in :data:`_ORDER`."""
+    by_key = {s.key: s for s in sections}
+    out = []
+    for key in _ORDER:
+        sec = by_key.get(key)
+        if sec is None or sec.data.get("skipped"):
+            continue
+        try:
+            texts = _FINDERS[key](sec)
+        except (KeyError, StopIteration, ValueError, ZeroDivisionError):
+            texts = []  # a section run without the rows a finding reads (e.g. another block size)
+        out += [Finding(t, key, sec.heading) for t in texts]
+    return out
+
+
+def to_markdown(items: list[Finding]) -> str:
+    """The findings as a Markdown section: a bullet per finding, wrapped at 100 columns, each
+    ending with a link to its section."""
+    lines = [f"## {HEADING}", ""]
+    for f in items:
+        text = f"{f.text} ([{plain(f.heading).split(':')[0]}](#{anchor(f.heading)}))"
+        lines += _wrap(text, TEXT_WIDTH, "- ", "  ")
+    return "\n".join(lines)
+
+
+def to_text(items: list[Finding], width: int = TEXT_WIDTH) -> str:
+    """The findings as terminal text, each naming its section."""
+    out = [HEADING, "=" * len(HEADING), ""]
+    for f in items:
+        out += _wrap(f"{f.text} (section: {plain(f.heading)})", width, "- ", "  ")
+    return "\n".join(out)
