@@ -218,11 +218,15 @@ class KVCacheManager:
                        if enable_prefix_caching else None)
         # The host tier, when asked for: offloads what the device evicts, serves prefix hits
         # from host memory, holds swapped-out sequences. None costs the hot paths nothing.
-        self._tier = (HostTier(host_blocks, block_size, self._log, host_write_policy, enable_prefix_caching)
-                      if tiered else None)
-        if self._tier is not None and self._cache is not None and host_write_policy != "none":
+        self._tier = (HostTier(host_blocks, block_size, self._log, host_write_policy, enable_prefix_caching,
+                               device=self._cache) if tiered else None)
+        if self._tier is not None and self._cache is not None:  # every policy: see HostTier.offload
             self._pool.on_evict_many = self._offload_evicted
         self._write_through = tiered and enable_prefix_caching and host_write_policy == "write-through"
+        # With a host tier: the sequences given positions or blocks since the last
+        # take_transfers() (the step's first drain). Their K/V is written only after that
+        # drain, so swap_out refuses them. None without a tier: the hot paths pay one test.
+        self._busy: set | None = set() if tiered else None
         self._swapped = 0
         self._bs = block_size
         # Slot offsets within a block, for turning a run of blocks into slots in one broadcast;
@@ -478,6 +482,11 @@ class KVCacheManager:
             except OutOfBlocks as e:
                 raise OutOfBlocks(e.needed, e.available, f"admitting {seq_id!r}") from None
         s = _Seq(table, tokens, hashes, root, unscheduled=n - computed)
+        if self._busy is not None:
+            if need:  # new positions (hits are whole blocks) or loads: nothing computed yet
+                self._busy.add(s)
+            if cache is not None:
+                self._tier.note_root(root)
         if cache is not None:
             self._publish_run(s, len(hits), computed // bs)
             cache.record_query(n, hit)
@@ -511,6 +520,8 @@ class KVCacheManager:
         except OutOfBlocks as e:
             raise OutOfBlocks(e.needed, e.available, f"prefilling {seq_id!r}") from None
         s.unscheduled = rest - n
+        if self._busy is not None:
+            self._busy.add(s)
         if self._cache is not None:
             self._publish_run(s, start // bs, stop // bs)
         if not s.unscheduled:
@@ -579,6 +590,8 @@ class KVCacheManager:
                 raise ValueError(self._not_ready(seq_id, s, "append to"))
             slot = self._slot_slow(s)
         s.tokens.append(token_id)
+        if self._busy is not None:
+            self._busy.add(s)
         nxt = slot + 1
         if nxt % self._bs:
             s.nxt = nxt
@@ -606,6 +619,8 @@ class KVCacheManager:
         bs, n, k = self._bs, len(s.tokens), len(toks)
         slot = s.nxt
         if slot >= 0 and slot % bs + k <= bs:  # all in the private last block: nothing to take
+            if self._busy is not None:
+                self._busy.add(s)
             if speculative:
                 if not s.drafts:
                     self._unready += 1
@@ -618,6 +633,8 @@ class KVCacheManager:
         copies = 1 if n % bs and self._pool.refcount(s.table[-1]) > 1 else 0
         if fresh + copies:
             self._check_capacity(fresh, copies, f"appending to {seq_id!r}")
+        if self._busy is not None:
+            self._busy.add(s)
         if speculative:
             if not s.drafts:
                 self._unready += 1
@@ -703,6 +720,8 @@ class KVCacheManager:
         if self._pool.num_free < n or self._copy_src:  # only then can the batch fail: count
             fresh, copies = self._blocks_for_step(ss)
             self._check_capacity(fresh, copies, "a decode step")
+        if self._busy is not None:
+            self._busy.update(ss)
         bs = self._bs
         slow = self._slot_slow
         out = []
@@ -857,6 +876,7 @@ class KVCacheManager:
         Always empty without a host tier."""
         if self._tier is None:
             return []
+        self._busy.clear()  # the step's K/V is written after this drain: see swap_out
         return self._tier.take_transfers(self._cache)
 
     def swap_out(self, seq_id: Hashable) -> None:
@@ -880,9 +900,11 @@ class KVCacheManager:
             raise ValueError(self._not_ready(seq_id, s, "swap out"))
         refcount, table = self._pool.refcount, s.table
         tier = self._tier
-        if any(b in self._copy_dst or tier.is_load_destination(b) or tier.is_store_source(b) for b in table):
-            raise ValueError(f"cannot swap out {seq_id!r}: a copy or transfer of its blocks is "
-                             f"pending, so it was given blocks this step; swap out before appending")
+        if s in self._busy or any(b in self._copy_dst or tier.is_load_destination(b) or tier.is_store_source(b)
+                                  for b in table):
+            raise ValueError(f"cannot swap out {seq_id!r}: it was given positions or blocks in this step "
+                             f"(or a copy or transfer of its blocks is pending), whose K/V is written only "
+                             f"after take_transfers(); swap it out before scheduling it, or after the step")
         private = [i for i, b in enumerate(table) if refcount(b) == 1]
         keys, content = self._block_hashes(s, private)
         host = self._tier.swap_out([table[i] for i in private], keys, content, f"swapping out {seq_id!r}")
@@ -984,7 +1006,9 @@ class KVCacheManager:
         self._pool.incref_all(p.table)
         p.nxt = -1  # the partial last block, if any, is shared now: the next write decides
         mirror = None if p.mirror is None else p.mirror.copy()
-        self._seqs[child_id] = _Seq(p.table.copy(), p.tokens[:], p.hashes.copy(), p.root, mirror)
+        child = self._seqs[child_id] = _Seq(p.table.copy(), p.tokens[:], p.hashes.copy(), p.root, mirror)
+        if self._busy and p in self._busy:  # forked before the step ran (against the rule)
+            self._busy.add(child)
         self._forks += 1
 
     def free(self, seq_id: Hashable, *, cache: bool = True) -> None:
@@ -1002,6 +1026,8 @@ class KVCacheManager:
             raise ValueError(f"cache must be a bool, got {cache!r}")
         s = self._seq(seq_id)
         del self._seqs[seq_id]
+        if self._busy:
+            self._busy.discard(s)
         if s.unscheduled or s.drafts or s.host is not None:
             self._unready -= 1
         table = s.table
@@ -1186,6 +1212,10 @@ class KVCacheManager:
                       and pool.refcount(s.table[-1]) == 1)
                 _require(bool(ok), f"sequence {sid!r}: fast-path slot {s.nxt} is not its private next slot")
         _require(unready == self._unready, f"{unready} sequences unready, {self._unready} counted")
+        if self._busy is not None:
+            live = set(map(id, self._seqs.values()))
+            _require(all(id(s) in live and s.host is None for s in self._busy),
+                     "a sequence given work this step is freed or swapped out")
         _require(swapped == self._swapped, f"{swapped} sequences swapped out, {self._swapped} counted")
         if self._tier is not None:
             self._tier.check_invariants(host_refs, self._rehash)
