@@ -218,6 +218,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.router: set = set()  # hashes the events say are in the device's cache ("GPU")
         self.router_cpu: set = set()  # ... and in the host tier's ("CPU")
         self.known: set = set()  # every block hash ever published
+        self.parent_of: dict = {}  # block hash -> the hash it chains from, learnt from events
         self.chain: dict = {}  # (parent hash, block tokens) -> hash, learnt from events
         self.roots: dict = {}  # salt -> root hash, learnt from events
         self.root_salt: dict = {}  # root hash -> salt
@@ -228,6 +229,7 @@ class ManagerMachine(RuleBasedStateMachine):
         # the host tier
         self.swapped: dict = {}  # swapped-out seq id -> {table index: host block}
         self.swap_moves: list = []  # (device block, host block) swap_out queued this step
+        self.swapped_now: set = set()  # device blocks the last drain swapped out
         self.loading: set = set()  # sequences whose blocks a to_device of this step fills
         self.host_of: dict = {}  # published host hash -> the host block holding it
         self.cpu_new: list = []  # hashes the host published since the last drain
@@ -276,6 +278,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if not k:
             return pending, []
         probe.add_sequence("host probe", [7] * (k * self.bs), cache_salt="probe")
+        probe.take_transfers()  # the probe's step runs: swap_out refuses a sequence before that
         probe.swap_out("host probe")
         return pending, [t.dst for t in probe.take_transfers()]
 
@@ -399,6 +402,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert not loads & set(dsts), "a load fills a copy's destination"
         if len(copies) > 1:
             event("several copies in one batch")
+        self.check_host_reads(transfers)
         self.store.commit(copies, transfers)
         self.admissions = 0
         self.first_write = {}
@@ -422,11 +426,26 @@ class ManagerMachine(RuleBasedStateMachine):
             assert all(0 <= t.src < src_n and 0 <= t.dst < dst_n for t in batch), batch
         for d, h in self.swap_moves:  # every block swap_out moved is in this drain
             assert Transfer("to_host", d, h) in transfers[:k], f"swap_out's {d} -> {h} is missing"
+        self.swapped_now = {d for d, _ in self.swap_moves}  # for check_host_reads
         self.swap_moves = []
         self.drained[0] += k
         self.drained[1] += len(transfers) - k
         if k and k < len(transfers):
             event("both directions in one drain")
+
+    def check_host_reads(self, transfers):
+        """No ``to_host`` transfer reads a device slot never written: it reads the device as
+        the last step left it, and its source block's written slots are a prefix of the block
+        (a swapped partial block's empty tail is the only unwritten part), the whole block for
+        an offload or a write-through copy (a full, published block)."""
+        swapped = self.swapped_now
+        for t in transfers:
+            if t.direction != "to_host":
+                continue
+            written = self.store.block(self.store.prov, t.src) >= 0
+            w = int(written.sum())
+            assert w and written[:w].all(), f"to_host reads device block {t.src}: slots never written"
+            assert t.src in swapped or w == self.bs, "an offload reads a block not wholly written"
 
     def after_drain(self, transfers, host_free):
         """What a drain leaves on the host: its own events (write-through's copies, the host
@@ -524,22 +543,20 @@ class ManagerMachine(RuleBasedStateMachine):
         bs = self.bs
         cands = [(sid, i, tuple(self.model[sid][i * bs : (i + 1) * bs])) for sid, i in completed]
         evicted, host_stored = set(), []  # evicted: not on the host when the device let go
+        dropped = 0  # host blocks dropped because their parent left both tiers
         left_device = set()
-        # where each hash the host publishes in these events is first published: a router drops
-        # a block whose parent it does not know (on either medium), so a parent the host is
-        # about to publish must not come after its child (one eviction batch lists the child
-        # first); a parent already known, on the device say, is enough
-        cpu_at: dict = {}
-        for k, ev in enumerate(evs):
-            if isinstance(ev, BlockStored) and ev.medium == "CPU":
-                for h in ev.block_hashes:
-                    cpu_at.setdefault(h, k)
-        for k, ev in enumerate(evs):
+        # a router drops a block whose parent it does not know at that event (on either
+        # medium): a parent the host is about to publish must not come after its child (one
+        # eviction batch lists the child first), nor may it have been removed earlier in the
+        # same events; a parent known on the device is enough
+        for ev in evs:
             if isinstance(ev, BlockStored) and ev.medium == "CPU":
                 assert self.caching and self.hb and ev.block_size == bs
                 p = ev.parent_block_hash
-                assert p in self.router or p in self.router_cpu or cpu_at.get(p, -1) < k, (
-                    "the host published a child before its parent")
+                # a parent the router knows now: on either medium (stored earlier in these
+                # events, and not removed since), or a salt's root (no block's hash)
+                assert p in self.router or p in self.router_cpu or p not in self.known, (
+                    "the host published a block whose parent the router does not know")
                 for h, parent, blk in stored_blocks([ev]):
                     assert h not in self.router_cpu, "the host published a hash it holds"
                     assert self.chain.get((parent, blk)) == h, (
@@ -567,6 +584,7 @@ class ManagerMachine(RuleBasedStateMachine):
                     assert prev == h, "the same (parent, tokens) hashed differently"
                     self.learn_node(h, parent, blk)
                     self.known.add(h)
+                    self.parent_of[h] = parent
                     self.router.add(h)
                     self.wt_new[h] = True
             elif isinstance(ev, BlockRemoved) and ev.medium == "CPU":
@@ -577,7 +595,13 @@ class ManagerMachine(RuleBasedStateMachine):
                     self.router_cpu.remove(h)
                     if h in left_device:
                         event("a hash left the device, then the host, in one call")
-                    if h in self.host_of:
+                    p = self.parent_of.get(h)
+                    if self.unknown_parent(h):
+                        # its parent left both tiers: dropped with it (not evicted for room)
+                        event("host dropped a block whose parent left both tiers")
+                        self.host_of.pop(h, None)
+                        dropped += 1
+                    elif h in self.host_of:
                         self.host_evicted.append(self.host_of.pop(h))
             elif isinstance(ev, BlockRemoved):
                 assert ev.medium == "GPU"
@@ -599,6 +623,13 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.host_of = {}
                 self.wt_new = dict.fromkeys(self.wt_new, False)
                 self.wt_ready = dict.fromkeys(self.wt_ready, False)
+        # every host block is reachable: its parent is on either medium or is a salt's root
+        for h in self.router_cpu:
+            p = self.parent_of.get(h)
+            assert p is None or p not in self.known or p in self.router or p in self.router_cpu, (
+                "a host block is unreachable: its parent is on neither tier")
+        if any(map(self.unknown_parent, self.router)):
+            event("a device block outlives its parent on both tiers (an orphan twin's child)")
         # and each completed block is published now unless its content was published before
         # (then the cache already maps it): a block whose chain hash the events never named is
         # missing from the cache
@@ -607,14 +638,33 @@ class ManagerMachine(RuleBasedStateMachine):
             blk = tuple(self.model[sid][i * bs : (i + 1) * bs])
             assert parent is None or (parent, blk) in self.chain, (
                 f"block {i} of {sid} is complete but was never published")
-        if self.hb and self.caching and evicting and evicted:
+        # an evicted block whose parent is now on neither tier is never copied out: the host
+        # would hold a block no lookup and no router can reach
+        orphans = {h for h in evicted if self.unknown_parent(h)}
+        if orphans:
+            event("an evicted orphan was not offloaded")
+            evicted -= orphans
+        if self.hb and self.caching and evicting and evicted and self.policy != "none":
             event("eviction forgotten: no host block to spare")
-            # a free host block that holds a hash this call evicted from the device was held
-            # through the offload's host allocation (its copy is the only one left): not room
-            kept = len(left_device & self.router_cpu)
-            assert self.m.num_free_host_blocks <= host_released + kept, (
+            # a free host block that holds a hash this call evicted from the device, or an
+            # ancestor on the host of one, was held through the offload's host allocation (the
+            # first: its copy is the only one left; the second: its child needs it), and a
+            # block dropped with its parent came free after it: not room
+            held = left_device & self.router_cpu
+            for h in left_device:
+                p = self.parent_of.get(h)
+                while p in self.router_cpu and p not in self.router and p not in held:
+                    held.add(p)
+                    p = self.parent_of.get(p)
+            assert self.m.num_free_host_blocks <= host_released + len(held) + dropped, (
                 "an evicted block was not offloaded although the host had room")
         return host_stored
+
+    def unknown_parent(self, h):
+        """Whether the block ``h`` names chains from a block hash that neither tier holds now
+        (a salt's root, which no event names as a block, is always known)."""
+        p = self.parent_of.get(h)
+        return p in self.known and p not in self.router and p not in self.router_cpu
 
     def assert_published(self, sid, blocks):
         """Each of these full blocks of ``sid`` is findable on the device (as the router sees
@@ -1101,14 +1151,17 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def swap_refusal(self, sid):
         """Why ``swap_out(sid)`` must be refused now, or None: no host tier, swapped out
-        already, mid-prefill or drafts pending, or a copy or a transfer of its blocks is
-        pending (the signs that it was given blocks in this step)."""
+        already, mid-prefill or drafts pending, given positions (and so blocks) in this step
+        (their K/V is written after the drain), or a copy or a transfer of its blocks is
+        pending."""
         if not self.hb:
             return "no host tier"
         if sid in self.swapped:
             return "already swapped out"
         if self.nc[sid] < len(self.model[sid]) or self.drafts[sid]:
             return "not ready"
+        if sid in self.store.writes:
+            return "given positions in this step"
         table = set(self.m.block_table(sid))
         if table & {c.dst for c in self.store.copies}:
             return "a copy into its block is pending"
@@ -1131,11 +1184,14 @@ class ManagerMachine(RuleBasedStateMachine):
             return self._swap_in(data.draw(st.sampled_from(sorted(self.swapped)), label="seq"))
         sid = self.pick(data, "seq", lambda s: s in ok)
         why = self.swap_refusal(sid)
+        if why == "given positions in this step" and data.draw(st.booleans(), label="after_step"):
+            self.end_step()  # the engine's way: swap it out once the step has run
+            why = self.swap_refusal(sid)
         if why is not None:
             event(f"swap_out refused: {why}")
             return self.refused(lambda: self.m.swap_out(sid))
-        if sid in self.store.writes:  # the manager cannot tell; the engine waits for the step
-            self.end_step()
+        if self.store.writes or self.admissions:
+            event("swapped out in a step with admissions or appends")
         self._swap_out(sid)
 
     def _swap_out(self, sid):

@@ -161,7 +161,7 @@ class HostTier:
             self._unlinked(b, c[0])
         self._gone += keys
 
-    def _drop_orphans(self, hashes: Sequence[Hashable]) -> None:
+    def drop_orphans(self, hashes: Sequence[Hashable]) -> None:
         """These hashes just left a tier. Each one now on neither tier takes its host children
         with it, and theirs in turn (unless a child is still on the device): no lookup (a prefix
         walk) and no router (it drops a block whose parent it does not know) could reach them.
@@ -236,7 +236,7 @@ class HostTier:
 
         Under ``"none"`` nothing is copied out. Under every policy, host blocks whose parent
         was one of these hashes and is now on neither tier are dropped (see
-        :meth:`_drop_orphans`).
+        :meth:`drop_orphans`).
         """
         cache = self._cache
         if cache is None:
@@ -250,7 +250,7 @@ class HostTier:
                 else:
                     held.append(hb)
             self._store(new, held)
-        self._drop_orphans(hashes)
+        self.drop_orphans(hashes)
 
     def _store(self, items: list[tuple[int, Hashable, tuple]], keep: list[int] | None = None) -> None:
         """Copy ``(device block, hash, (parent, tokens))`` items out to fresh host blocks, one
@@ -314,7 +314,7 @@ class HostTier:
             self._store_src.update(d for d, _, _ in items)
             self.to_host_count += n
         if gone:
-            self._drop_orphans(gone)
+            self.drop_orphans(gone)
 
     def published(self, device_blocks: Sequence[int], hashes: Sequence[Hashable]) -> None:
         """Write-through: remember blocks the device published this step; their K/V exists
@@ -360,7 +360,7 @@ class HostTier:
         self.to_host_count += n
         gone, self._gone = self._gone, []
         if gone:
-            self._drop_orphans(gone)
+            self.drop_orphans(gone)
         return host
 
     def swap_in(self, host_blocks: Sequence[int], device_blocks: Sequence[int]) -> None:

@@ -1046,10 +1046,19 @@ class KVCacheManager:
         if self._cache is not None and (unloaded or not cache):
             # a dropped load never fills its block: like unwritten K/V, it must not stay findable
             mine = unloaded if cache else [b for b in table if refcount(b) == 1]
-            self._cache.unpublish(mine)
+            self._unpublish(mine)
             if self._write_through:
                 tier.forget_published(mine)
         self._pool.release_all(table[::-1])
+
+    def _unpublish(self, blocks: list[int]) -> None:
+        """Forget device blocks' hashes (their K/V will never be written); with a host tier,
+        host blocks chained from a hash that is now on neither tier go with it."""
+        tier = self._tier
+        gone = [k for k in map(self._pool.key, blocks) if k is not None] if tier is not None else ()
+        self._cache.unpublish(blocks)
+        if gone:
+            tier.drop_orphans(gone)
 
     # ---- prefix cache ------------------------------------------------------------------------
 
