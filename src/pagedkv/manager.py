@@ -143,8 +143,10 @@ class KVCacheManager:
         host_blocks: blocks of a host-memory tier (0: none). It keeps what the device evicts,
             serves prefix hits from host memory and holds swapped-out sequences.
         host_write_policy: when a device block is copied to the host: ``"write-back"`` (when
-            the device evicts it), ``"write-through"`` (once it is computed) or ``"none"``
-            (never: the host tier only holds swapped-out sequences).
+            the device evicts it), ``"write-through"`` (once it is computed, and again when the
+            device evicts it if the host has dropped it since) or ``"none"`` (never: the host
+            takes only swapped-out sequences, and the published blocks a swap put there serve
+            prefix hits until the host needs the room).
 
     The engine's loop, and the rules it follows:
 
@@ -873,7 +875,8 @@ class KVCacheManager:
         """Drain the block transfers between the device and the host tier (offloads, prefix hits
         loaded from the host, swaps); run them before this step's copies and K/V writes, every
         ``to_host`` entry before every ``to_device`` entry (each direction is one batch).
-        Always empty without a host tier."""
+        Always empty without a host tier. It also marks the step boundary for ``swap_out``:
+        the K/V of everything scheduled before it is written after it."""
         if self._tier is None:
             return []
         self._busy.clear()  # the step's K/V is written after this drain: see swap_out
@@ -885,11 +888,17 @@ class KVCacheManager:
         Its blocks held by no other sequence get host blocks and ``to_host`` transfers, and the
         device blocks are released (a block with a hash stays revivable on the device, and is
         published on the host too). Blocks shared with other sequences stay on the device, and
-        the sequence keeps its reference to them. Swap a sequence out before anything is
-        appended to it in the step (its K/V must all exist, as for ``fork``); one given blocks
-        this step is refused with ValueError. Atomic: OutOfBlocks (the host has too few free
-        blocks) changes nothing. Until ``swap_in``, the sequence cannot be appended to, forked
-        or exported.
+        the sequence keeps its reference to them. Atomic: OutOfBlocks (the host has too few
+        free blocks) changes nothing. Until ``swap_in``, the sequence cannot be appended to,
+        forked or exported.
+
+        Its K/V must all exist, as for ``fork``: the ``to_host`` transfers run before the step's
+        writes. So a sequence given positions or blocks since the last ``take_transfers()`` (the
+        step's first drain: admitted, prefilled, appended to, copied on write, loaded from the
+        host, or forked from one that was) is refused with ValueError. Example (block size 4):
+        ``add_sequence("s", 9 tokens)`` then ``swap_out("s")`` is refused (3 blocks, nothing
+        computed); after ``take_transfers()`` and the step's writes it moves 3 blocks. Swap out
+        a victim before scheduling it in the step, or after the step.
         """
         s = self._seq(seq_id)
         if self._tier is None:
@@ -1063,7 +1072,9 @@ class KVCacheManager:
     # ---- prefix cache ------------------------------------------------------------------------
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached hash; refused (False, nothing changed) while any block is in use."""
+        """Drop every cached hash, the host tier's too; refused (False, nothing changed) while
+        any block is in use on either tier or a transfer is pending (so while any sequence is
+        live, swapped out or not)."""
         tier = self._tier
         if self._pool.num_used or (tier is not None and (tier.num_used or tier.has_pending())):
             return False
