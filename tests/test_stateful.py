@@ -37,9 +37,10 @@ refused call leave a byte-identical snapshot behind. Freed ids are reused.
 
 With a host tier (drawn at setup for a share of the examples: 1 to 2 times the device pool,
 write-back or write-through, on smaller device pools so that evictions happen) the machine also
-swaps sequences out and back in (``swap_out`` only at a legal point: before anything is appended
-to the sequence in the step; attempts at an illegal point, without a host tier, or out of host
-blocks must fail and change nothing, the host tier included), and the store has host slots. A
+swaps sequences out and back in, in the same step as admissions and appends (``swap_out`` is
+legal only for a sequence given no positions since the last drain; attempts on one that was,
+without a host tier, or out of host blocks must fail and change nothing, the host tier
+included), and the store has host slots. A
 step's drain is then ``take_transfers()`` first (the ``to_host`` batch: every source read before
 any destination is written; then the ``to_device`` batch likewise), then ``take_copies()``, then
 the writes; every drain must list ``to_host`` entries first and no destination twice in one
@@ -53,7 +54,16 @@ while it stays published; a host block evicted there is the destination of a tra
 step; a device eviction is offloaded unless the host holds the hash or has no block to spare;
 write-through copies a block out exactly one drain late (never at the drain right after it was
 published, always at the next one while the host has room), write-back never at a drain; and
-``usage()``'s host fields (blocks held, swapped sequences, host hits, transfers each way).
+``usage()``'s host fields (blocks held, swapped sequences, host hits, transfers each way); no
+``to_host`` transfer reads a device slot never written (a swapped partial block's empty tail
+aside); and, after every call, every host block is reachable in the router's view (its parent on
+either medium, or a salt's root), every ``BlockStored`` on the host names a parent the router
+knows at that event, and a host block removed without being reused is one whose parent left both
+tiers.
+
+``test_seeded_soak_of_the_host_tier`` is the same class of checks without hypothesis: a seeded
+engine loop over every write policy, both fast hashes and caching on and off, with a store that
+records which chain position was written into which device and host slot.
 
 ``V2 = False`` drives only the v1 calls, one call per step, so the machine runs against a
 manager without contract v2 (and without a host tier).
