@@ -468,6 +468,9 @@ class ManagerMachine(RuleBasedStateMachine):
             if self.policy == "write-through":
                 assert set(at_drain) <= set(self.wt_ready), "write-through copied a block out early"
                 due = {h for h, ok in self.wt_ready.items() if ok and h not in before}
+                if any(map(self.unknown_parent, due)):  # a device orphan is never copied out
+                    event("write-through skipped a device block whose parent left both tiers")
+                    due = {h for h in due if not self.unknown_parent(h)}
                 assert len(at_drain) == host_free or due <= set(at_drain), (
                     "write-through left a block published two drains ago on the device only")
                 if at_drain:
@@ -554,6 +557,7 @@ class ManagerMachine(RuleBasedStateMachine):
         cands = [(sid, i, tuple(self.model[sid][i * bs : (i + 1) * bs])) for sid, i in completed]
         evicted, host_stored = set(), []  # evicted: not on the host when the device let go
         dropped = 0  # host blocks dropped because their parent left both tiers
+        orphans = set()  # hashes the device let go of while their parent was on neither tier
         left_device = set()
         # a router drops a block whose parent it does not know at that event (on either
         # medium): a parent the host is about to publish must not come after its child (one
@@ -623,6 +627,9 @@ class ManagerMachine(RuleBasedStateMachine):
                     left_device.add(h)
                     if h not in self.router_cpu:
                         evicted.add(h)
+                for h in ev.block_hashes:  # once the whole removal is applied
+                    if self.unknown_parent(h):
+                        orphans.add(h)
                     for pending in (self.wt_new, self.wt_ready):
                         if h in pending:
                             pending[h] = False
@@ -650,8 +657,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 f"block {i} of {sid} is complete but was never published")
         # an evicted block whose parent is now on neither tier is never copied out: the host
         # would hold a block no lookup and no router can reach
-        orphans = {h for h in evicted if self.unknown_parent(h)}
-        if orphans:
+        # (at its removal: the same call may publish the parent on the device later)
+        if orphans & evicted:
             event("an evicted orphan was not offloaded")
             evicted -= orphans
         if self.hb and self.caching and evicting and evicted and self.policy != "none":
@@ -1451,6 +1458,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if dropped:
             event("a free dropped pending loads")
         held = {h for _, h in self.swap_moves} | {t.src for t in left}
+        held |= {t.dst for t in self.peek_transfers() if t.direction == "to_host"}  # offloads
         held |= {h for s, pos in self.swapped.items() if s != sid for h in pos.values()}
         released = set(self.swapped.get(sid, {}).values()) | {t.src for t in dropped}
         assert self.m.num_free_host_blocks == host_free + len(released - held)

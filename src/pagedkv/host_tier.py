@@ -241,6 +241,9 @@ class HostTier:
         cache = self._cache
         if cache is None:
             return
+        if self._wt_new or self._wt_ready:  # an evicted block's pending write-through is void
+            self.forget_published(device_blocks)  # (the block may come back under the same
+            # hash in this very allocation, recomputed: the copy waits for that publication's)
         if self.write_policy != "none":
             new, held = [], []
             for d, h, c in zip(device_blocks, hashes, contents):
@@ -318,8 +321,11 @@ class HostTier:
 
     def published(self, device_blocks: Sequence[int], hashes: Sequence[Hashable]) -> None:
         """Write-through: remember blocks the device published this step; their K/V exists
-        once the step has run, so they are copied out at the next drain but one."""
-        self._wt_new += zip(device_blocks, hashes)
+        once the step has run, so they are copied out at the next drain but one. A block whose
+        hash the device cache already mapped to another block (a twin) was not published and
+        is not remembered: should it be published later, that publication starts its wait."""
+        device = self._device
+        self._wt_new += [(d, h) for d, h in zip(device_blocks, hashes) if device is None or device.get(h) == d]
 
     def _write_through(self, device_cache: PrefixCache) -> None:
         cache = self._cache
@@ -397,6 +403,7 @@ class HostTier:
             self._cache.clear()
             self._kids.clear()
             self._first.clear()
+        self._wt_new, self._wt_ready = [], []  # the device forgot them too: nothing to copy
         return True
 
     # ---- checks ------------------------------------------------------------------------------
