@@ -221,12 +221,14 @@ def test_one_allocation_evicting_blocks_the_host_holds_loses_none_of_them():
     m = make(num_blocks=4, host_blocks=2)
     x, y, z = toks(0, 4), toks(100, 4), toks(200, 4)
     m.add_sequence("x", x)  # device 0
+    m.take_transfers()  # the step ran: the K/V swap_out moves exists
     m.swap_out("x")  # host 0 holds X; device 0 stays cached
     m.take_transfers()
     m.free("x")  # host LRU: [0 (X)]
     m.add_sequence("y", y)  # device 1
     m.free("y")
     m.add_sequence("z", z)  # device 2
+    m.take_transfers()  # the step ran: the K/V swap_out moves exists
     m.swap_out("z")  # host 1 holds Z
     m.take_transfers()
     m.free("z")  # host LRU: [0 (X), 1 (Z)]; device LRU: [0 (X), 1 (Y), 2 (Z)]
@@ -291,6 +293,7 @@ def test_swap_out_moves_private_blocks_and_keeps_shared_ones():
 def test_swap_in_revives_blocks_still_cached_on_the_device():
     m = make(num_blocks=8, host_blocks=8)
     m.add_sequence("a", toks(0, 9))  # [0, 1, 2]: two full published blocks, one partial
+    m.take_transfers()  # the step ran: the K/V swap_out moves exists
     m.swap_out("a")
     assert m.block_table("a") == [-1, -1, -1]
     assert m.take_transfers() == [to_host(0, 0), to_host(1, 1), to_host(2, 2)]
@@ -305,6 +308,7 @@ def test_swap_in_revives_blocks_still_cached_on_the_device():
 def test_swap_is_atomic_when_either_tier_is_full():
     m = make(num_blocks=4, host_blocks=1)
     m.add_sequence("a", toks(0, 10))  # 3 private blocks, host has 1
+    m.take_transfers()  # the step ran: the K/V swap_out moves exists
     before = (m.block_table("a"), m.num_free_blocks, m.usage())
     with pytest.raises(OutOfBlocks) as ei:
         m.swap_out("a")
@@ -314,6 +318,7 @@ def test_swap_is_atomic_when_either_tier_is_full():
 
     m = make(num_blocks=3, host_blocks=4, enable_prefix_caching=False)
     m.add_sequence("a", toks(0, 10))
+    m.take_transfers()  # the step ran: the K/V swap_out moves exists
     m.swap_out("a")
     m.take_transfers()
     m.add_sequence("b", toks(100, 10))  # takes the device back
@@ -340,6 +345,7 @@ def test_swapping_out_a_sequence_given_blocks_this_step_is_refused():
 def test_freeing_a_swapped_sequence_releases_its_host_blocks():
     m = make(num_blocks=8, host_blocks=8, enable_prefix_caching=False)
     m.add_sequence("a", toks(0, 10))
+    m.take_transfers()  # the step ran: the K/V swap_out moves exists
     m.swap_out("a")
     m.take_transfers()
     m.free("a")
@@ -351,6 +357,7 @@ def test_freeing_a_swapped_sequence_releases_its_host_blocks():
 def test_reset_is_refused_while_the_host_holds_a_sequence():
     m = make(num_blocks=8, host_blocks=8)
     m.add_sequence("a", toks(0, 10))
+    m.take_transfers()  # the step ran: the K/V swap_out moves exists
     m.swap_out("a")
     m.take_transfers()
     assert m.reset_prefix_cache() is False
@@ -389,6 +396,7 @@ def test_freeing_a_sequence_whose_loads_are_pending_unpublishes_those_blocks(how
         m.add_sequence("c", a, prefill=0)  # loads both blocks, published on the device at once
     else:
         m.add_sequence("c", a)
+        m.take_transfers()  # the step ran: the K/V swap_out moves exists
         m.swap_out("c")
         m.add_sequence("b", list(range(100, 116)))  # takes the device: c's cached blocks go
         m.free("b", cache=False)

@@ -761,7 +761,9 @@ class Engine:
         changed) when it cannot: a prompt mid-prefill (the manager swaps only fully scheduled
         sequences), nothing running, or more private blocks than the host has free. Blocks a
         sequence shares stay on the device, so only blocks with refcount 1 need host room
-        (siblings keep their references when one of them is swapped: the count holds for all)."""
+        (siblings keep their references when one of them is swapped: the count holds for all).
+        A victim has no work in this step, so nothing of it was scheduled since the last
+        ``take_transfers()``: the manager's swap rule (its K/V must all be written) holds."""
         if victim in self._prefilling:
             return False
         seqs = [s for s, lv in self._running.items() if lv.req == victim.rid]

@@ -31,8 +31,9 @@ from .types import TO_DEVICE, TO_HOST, OutOfBlocks, Transfer
 
 __all__ = ["HostTier", "WRITE_POLICIES"]
 
-# write-back: copy a block out when the device evicts it; write-through: once it is computed;
-# none: never offload (the host tier only holds swapped-out sequences, vLLM v0's swap space).
+# write-back: copy a block out when the device evicts it; write-through: once it is computed, and
+# again when the device evicts a block the host has dropped since; none: never offload (the host
+# takes only swapped-out sequences, vLLM v0's swap space, and their published blocks stay findable).
 WRITE_POLICIES = ("write-back", "write-through", "none")
 
 
@@ -44,11 +45,24 @@ class HostTier:
     """
 
     def __init__(self, num_blocks: int, block_size: int, log: EventLog | None,
-                 write_policy: str = "write-back", caching: bool = True) -> None:
+                 write_policy: str = "write-back", caching: bool = True,
+                 device: PrefixCache | None = None, root: Hashable = None) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"host_write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
         self._pool = BlockPool(num_blocks, check_args=False)
         self._cache = PrefixCache(self._pool, log, "CPU", keep_content=True) if caching else None
+        # Reachability (see "Every host block is reachable" in :meth:`check_invariants`): the
+        # device's prefix cache (None for a tier used alone, which trusts its caller's parents),
+        # the chain's root (every prompt's first block chains from it: a salt is a key of block 0,
+        # not a root of its own), each parent hash's host children, and the host blocks that are
+        # a prompt's first block (their parent is the root).
+        self._device = device if caching else None
+        self._root = root
+        self._kids: dict[Hashable, set[int]] = {}
+        self._first: set[int] = set()
+        self._gone: list = []  # hashes the host evicted in the allocation under way
+        if self._cache is not None:
+            self._pool.on_evict_many = self._host_evicted
         self._bs = block_size
         self.write_policy = write_policy
         self._to_host: list[Transfer] = []
@@ -95,6 +109,64 @@ class HostTier:
 
     def is_store_source(self, device_block: int) -> bool:
         return device_block in self._store_src
+
+    # ---- reachability ------------------------------------------------------------------------
+
+    def _known(self, parent: Hashable) -> bool:
+        """Whether a block chained from ``parent`` would be reachable: the parent is on the host
+        or the device, or is the chain's root. (A tier used alone knows no device: it trusts.)"""
+        if self._device is None:
+            return True
+        return (parent == self._root or self._cache.get(parent) is not None
+                or self._device.get(parent) is not None)
+
+    def _linked(self, host_block: int, parent: Hashable) -> None:
+        """Index a block the host just published under its parent hash."""
+        kids = self._kids.get(parent)
+        if kids is None:
+            self._kids[parent] = {host_block}
+        else:
+            kids.add(host_block)
+        if parent == self._root:
+            self._first.add(host_block)
+
+    def _unlinked(self, host_block: int, parent: Hashable) -> None:
+        kids = self._kids.get(parent)
+        if kids is not None:
+            kids.discard(host_block)
+            if not kids:
+                del self._kids[parent]
+        self._first.discard(host_block)
+
+    def _host_evicted(self, blocks: list, keys: list) -> None:
+        """The host pool evicted cached blocks to make room: the host cache forgets them, and
+        their hashes are checked for orphaned children once the allocation is complete."""
+        contents = self._cache.evicted(blocks, keys)
+        for b, c in zip(blocks, contents):
+            self._unlinked(b, c[0])
+        self._gone += keys
+
+    def drop_orphans(self, hashes: Sequence[Hashable]) -> None:
+        """These hashes just left a tier. Each one now on neither tier takes its host children
+        with it, and theirs in turn (unless a child is still on the device): no lookup (a prefix
+        walk) and no router (it drops a block whose parent it does not know) could reach them.
+        A cached-free child goes back clean; one held by a swapped-out sequence or a pending
+        transfer loses only its hash. One ``BlockRemoved`` names them all."""
+        kids, cache, device = self._kids, self._cache, self._device
+        if not kids or cache is None:
+            return
+        todo = [h for h in hashes if h in kids and cache.get(h) is None
+                and (device is None or device.get(h) is None)]
+        drop: list[int] = []
+        while todo:
+            for hb in sorted(kids.pop(todo.pop(), ())):
+                drop.append(hb)
+                self._first.discard(hb)
+                h = self._pool.key(hb)
+                if h in kids and (device is None or device.get(h) is None):
+                    todo.append(h)
+        if drop:
+            cache.unpublish(drop)
 
     # ---- prefix hits -------------------------------------------------------------------------
 
@@ -146,18 +218,27 @@ class HostTier:
         host's copy is the only one left. Afterwards they go back to the host's LRU as its most
         recently used, as the blocks copied out in this batch will at the drain: a prefix the
         device was still caching is not the host's oldest.
+
+        Under ``"none"`` nothing is copied out. Under every policy, host blocks whose parent
+        was one of these hashes and is now on neither tier are dropped (see
+        :meth:`drop_orphans`).
         """
         cache = self._cache
         if cache is None:
             return
-        new, held = [], []
-        for d, h, c in zip(device_blocks, hashes, contents):
-            hb = cache.get(h)
-            if hb is None:
-                new.append((d, h, c))
-            else:
-                held.append(hb)
-        self._store(new, held)
+        if self._wt_new or self._wt_ready:  # an evicted block's pending write-through is void
+            self.forget_published(device_blocks)  # (the block may come back under the same
+            # hash in this very allocation, recomputed: the copy waits for that publication's)
+        if self.write_policy != "none":
+            new, held = [], []
+            for d, h, c in zip(device_blocks, hashes, contents):
+                hb = cache.get(h)
+                if hb is None:
+                    new.append((d, h, c))
+                else:
+                    held.append(hb)
+            self._store(new, held)
+        self.drop_orphans(hashes)
 
     def _store(self, items: list[tuple[int, Hashable, tuple]], keep: list[int] | None = None) -> None:
         """Copy ``(device block, hash, (parent, tokens))`` items out to fresh host blocks, one
@@ -169,31 +250,67 @@ class HostTier:
         blocks for all, the first ones in that order are kept: the prefixes, since a host block
         whose parent is on neither tier can never be hit (a lookup is a prefix walk). ``keep``:
         host blocks that the allocation must not evict (see :meth:`offload`).
+
+        Reachable by construction: an item whose parent is on neither tier (nor an earlier item,
+        nor the chain's root) is not copied out, and the host ancestors of every item (up to the
+        first one the device holds) are held through the allocation like ``keep``, so that the
+        host never evicts a block's parent to make room for the block itself. Example (host of
+        2 blocks holding a1; the device evicts a0 and a2, a2 chained from a1): a1 is held, one
+        block is left, a0 is stored and a2 forgotten; before, a1 was evicted for a2, and a2 was
+        stored unreachable. Hashes the allocation evicted take their orphans along afterwards.
         """
-        pool = self._pool
-        room = pool.num_free - (sum(map(pool.is_cached, keep)) if keep else 0)
-        n = min(len(items), room)
+        pool, cache = self._pool, self._cache
+        ordered = _parents_first(items)
+        if self._device is not None and ordered:
+            ok, seen = [], set()
+            for it in ordered:
+                parent = it[2][0]
+                if parent in seen or self._known(parent):
+                    ok.append(it)
+                    seen.add(it[1])
+            ordered = ok
+        hold = list(keep) if keep else []
+        if self._device is not None and (ordered or hold):
+            held = set(hold)
+            starts = [it[2][0] for it in ordered] + [cache.content_of(hb)[0] for hb in hold]
+            for p in starts:  # host ancestors, up to the first one the device holds
+                while self._device.get(p) is None:
+                    hb = cache.get(p)
+                    if hb is None or hb in held:
+                        break
+                    held.add(hb)
+                    hold.append(hb)
+                    p = cache.content_of(hb)[0]
+        room = pool.num_free - (sum(map(pool.is_cached, hold)) if hold else 0)
+        n = min(len(ordered), room)
         if n > 0:
-            items = _parents_first(items)[:n]
-            host = pool.allocate(n, acquire=keep or ())  # each one reference: the transfer's pin
-        elif keep:
-            pool.acquire(keep)
-        if keep:
-            pool.release_all(keep)  # in the device's eviction order, its oldest first
-        if n <= 0:
-            return
-        self._cache.publish_chained([(hb, h, *c) for hb, (_, h, c) in zip(host, items)], self._bs)
-        # the drain releases pins in list order, the first as the oldest: children before their
-        # parents, so that the host evicts a chain's tail before its prefix
-        self._pinned += host[::-1]
-        self._to_host += [Transfer(TO_HOST, d, hb) for hb, (d, _, _) in zip(host, items)]
-        self._store_src.update(d for d, _, _ in items)
-        self.to_host_count += n
+            items = ordered[:n]
+            host = pool.allocate(n, acquire=hold)  # each one reference: the transfer's pin
+        elif hold:
+            pool.acquire(hold)
+        if hold:
+            pool.release_all(hold)  # in the device's eviction order, its oldest first
+        gone, self._gone = self._gone, []
+        if n > 0:
+            cache.publish_chained([(hb, h, *c) for hb, (_, h, c) in zip(host, items)], self._bs)
+            for hb, (_, _, c) in zip(host, items):
+                self._linked(hb, c[0])
+            # the drain releases pins in list order, the first as the oldest: children before
+            # their parents, so that the host evicts a chain's tail before its prefix
+            self._pinned += host[::-1]
+            self._to_host += [Transfer(TO_HOST, d, hb) for hb, (d, _, _) in zip(host, items)]
+            self._store_src.update(d for d, _, _ in items)
+            self.to_host_count += n
+        if gone:
+            self.drop_orphans(gone)
 
     def published(self, device_blocks: Sequence[int], hashes: Sequence[Hashable]) -> None:
         """Write-through: remember blocks the device published this step; their K/V exists
-        once the step has run, so they are copied out at the next drain but one."""
-        self._wt_new += zip(device_blocks, hashes)
+        once the step has run, so they are copied out at the next drain but one. A block whose
+        hash the device cache already mapped to another block (a twin) was not published and
+        is not remembered: should it be published later, that publication starts its wait."""
+        device = self._device
+        self._wt_new += [(d, h) for d, h in zip(device_blocks, hashes) if device is None or device.get(h) == d]
 
     def _write_through(self, device_cache: PrefixCache) -> None:
         cache = self._cache
@@ -223,12 +340,18 @@ class HostTier:
             raise OutOfBlocks(e.needed, e.available, f"{what} (host tier)") from None
         self._pool.incref_all(host)  # the transfers' pins, on top of the sequence's reference
         self._pinned += host
+        cache = self._cache
         for d, hb, h, c in zip(device_blocks, host, hashes, contents):
             self._to_host.append(Transfer(TO_HOST, d, hb))
             self._store_src.add(d)
-            if h is not None and self._cache is not None and self._cache.get(h) is None:
-                self._cache.publish([hb], [h], c[0], c[1], self._bs, c[2:] or None)
+            # published only where reachable (a twin's child may chain from an evicted hash)
+            if h is not None and cache is not None and cache.get(h) is None and self._known(c[0]):
+                cache.publish([hb], [h], c[0], c[1], self._bs, c[2:] or None)
+                self._linked(hb, c[0])
         self.to_host_count += n
+        gone, self._gone = self._gone, []
+        if gone:
+            self.drop_orphans(gone)
         return host
 
     def swap_in(self, host_blocks: Sequence[int], device_blocks: Sequence[int]) -> None:
@@ -263,6 +386,9 @@ class HostTier:
             return False
         if self._cache is not None:
             self._cache.clear()
+            self._kids.clear()
+            self._first.clear()
+        self._wt_new, self._wt_ready = [], []  # the device forgot them too: nothing to copy
         return True
 
     # ---- checks ------------------------------------------------------------------------------
@@ -296,6 +422,26 @@ class HostTier:
             raise AssertionError("load index differs from the pending loads")
         if self._store_src != {t.src for t in self._to_host}:
             raise AssertionError("store index differs from the pending stores")
+        self._check_reachable()
+
+    def _check_reachable(self) -> None:
+        """Every host block is reachable: its parent is on the host or the device, or it is a
+        prompt's first block; and the child index is the host content's."""
+        cache = self._cache
+        if cache is None:
+            return
+        kids: dict = {}
+        for h, hb in cache.items():
+            parent = cache.content_of(hb)[0]
+            kids.setdefault(parent, set()).add(hb)
+            if self._device is not None and not (
+                    hb in self._first or cache.get(parent) is not None or self._device.get(parent) is not None):
+                raise AssertionError(f"host block {hb} is unreachable: its parent is on neither tier "
+                                     f"and it is not a first block")
+        if kids != self._kids:
+            raise AssertionError("the host's child index differs from its content")
+        if not self._first <= set(dict(cache.items()).values()):
+            raise AssertionError("a first-block mark outlived its host block")
 
 
 def _parents_first(items: list[tuple[int, Hashable, tuple]]) -> list[tuple[int, Hashable, tuple]]:

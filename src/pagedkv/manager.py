@@ -150,8 +150,10 @@ class KVCacheManager:
         host_blocks: blocks of a host-memory tier (0: none). It keeps what the device evicts,
             serves prefix hits from host memory and holds swapped-out sequences.
         host_write_policy: when a device block is copied to the host: ``"write-back"`` (when
-            the device evicts it), ``"write-through"`` (once it is computed) or ``"none"``
-            (never: the host tier only holds swapped-out sequences).
+            the device evicts it), ``"write-through"`` (once it is computed, and again when the
+            device evicts it if the host has dropped it since) or ``"none"`` (never: the host
+            takes only swapped-out sequences, and the published blocks a swap put there serve
+            prefix hits until the host needs the room).
 
     The engine's loop, and the rules it follows:
 
@@ -229,11 +231,15 @@ class KVCacheManager:
                        if enable_prefix_caching else None)
         # The host tier, when asked for: offloads what the device evicts, serves prefix hits
         # from host memory, holds swapped-out sequences. None costs the hot paths nothing.
-        self._tier = (HostTier(host_blocks, block_size, self._log, host_write_policy, enable_prefix_caching)
-                      if tiered else None)
-        if self._tier is not None and self._cache is not None and host_write_policy != "none":
+        self._tier = (HostTier(host_blocks, block_size, self._log, host_write_policy, enable_prefix_caching,
+                               device=self._cache, root=self._root) if tiered else None)
+        if self._tier is not None and self._cache is not None:  # every policy: see HostTier.offload
             self._pool.on_evict_many = self._offload_evicted
         self._write_through = tiered and enable_prefix_caching and host_write_policy == "write-through"
+        # With a host tier: the sequences given positions or blocks since the last
+        # take_transfers() (the step's first drain). Their K/V is written only after that
+        # drain, so swap_out refuses them. None without a tier: the hot paths pay one test.
+        self._busy: set | None = set() if tiered else None
         self._swapped = 0
         self._bs = block_size
         # Slot offsets within a block, for turning a run of blocks into slots in one broadcast;
@@ -530,6 +536,8 @@ class KVCacheManager:
             except OutOfBlocks as e:
                 raise OutOfBlocks(e.needed, e.available, f"admitting {seq_id!r}") from None
         s = _Seq(table, tokens, hashes, keys, unscheduled=n - computed, written=len(hits) + len(loads))
+        if self._busy is not None and need:  # new positions (hits are whole blocks) or loads
+            self._busy.add(s)  # nothing computed yet: no swap_out before the step runs
         if cache is not None:
             self._publish_run(s, len(hits), computed // bs)
             cache.record_query(n, hit)
@@ -568,6 +576,8 @@ class KVCacheManager:
             except OutOfBlocks as e:
                 raise OutOfBlocks(e.needed, e.available, f"prefilling {seq_id!r}") from None
         s.unscheduled = rest - n
+        if self._busy is not None:
+            self._busy.add(s)
         if self._cache is not None:
             self._publish_run(s, start // bs, stop // bs)
         if not s.unscheduled:
@@ -630,6 +640,8 @@ class KVCacheManager:
                 raise ValueError(self._not_ready(seq_id, s, "append to"))
             slot = self._slot_slow(s)
         s.tokens.append(token_id)
+        if self._busy is not None:
+            self._busy.add(s)
         nxt = slot + 1
         if nxt % self._bs:
             s.nxt = nxt
@@ -657,6 +669,8 @@ class KVCacheManager:
         bs, n, k = self._bs, len(s.tokens), len(toks)
         slot = s.nxt
         if slot >= 0 and slot % bs + k <= bs:  # all in the private last block: nothing to take
+            if self._busy is not None:
+                self._busy.add(s)
             if speculative:
                 if not s.drafts:
                     self._unready += 1
@@ -669,6 +683,8 @@ class KVCacheManager:
         copies = 1 if n % bs and self._pool.refcount(s.table[-1]) > 1 else 0
         if fresh + copies:
             self._check_room(fresh, copies, f"appending to {seq_id!r}")
+        if self._busy is not None:
+            self._busy.add(s)
         if speculative:
             if not s.drafts:
                 self._unready += 1
@@ -754,6 +770,8 @@ class KVCacheManager:
         if self._pool.num_free < n or self._copy_src:  # only then can the batch fail: count
             fresh, copies = self._blocks_for_step(ss)
             self._check_room(fresh, copies, "a decode step")
+        if self._busy is not None:
+            self._busy.update(ss)
         bs = self._bs
         slow = self._slot_slow
         out = []
@@ -953,9 +971,11 @@ class KVCacheManager:
         """Drain the block transfers between the device and the host tier (offloads, prefix hits
         loaded from the host, swaps); run them before this step's copies and K/V writes, every
         ``to_host`` entry before every ``to_device`` entry (each direction is one batch).
-        Always empty without a host tier."""
+        Always empty without a host tier. It also marks the step boundary for ``swap_out``:
+        the K/V of everything scheduled before it is written after it."""
         if self._tier is None:
             return []
+        self._busy.clear()  # the step's K/V is written after this drain: see swap_out
         return self._tier.take_transfers(self._cache)
 
     def swap_out(self, seq_id: Hashable) -> None:
@@ -964,11 +984,17 @@ class KVCacheManager:
         Its blocks held by no other sequence get host blocks and ``to_host`` transfers, and the
         device blocks are released (a block with a hash stays revivable on the device, and is
         published on the host too). Blocks shared with other sequences stay on the device, and
-        the sequence keeps its reference to them. Swap a sequence out before anything is
-        appended to it in the step (its K/V must all exist, as for ``fork``); one given blocks
-        this step is refused with ValueError. Atomic: OutOfBlocks (the host has too few free
-        blocks) changes nothing. Until ``swap_in``, the sequence cannot be appended to, forked
-        or exported.
+        the sequence keeps its reference to them. Atomic: OutOfBlocks (the host has too few
+        free blocks) changes nothing. Until ``swap_in``, the sequence cannot be appended to,
+        forked or exported.
+
+        Its K/V must all exist, as for ``fork``: the ``to_host`` transfers run before the step's
+        writes. So a sequence given positions or blocks since the last ``take_transfers()`` (the
+        step's first drain: admitted, prefilled, appended to, copied on write, loaded from the
+        host, or forked from one that was) is refused with ValueError. Example (block size 4):
+        ``add_sequence("s", 9 tokens)`` then ``swap_out("s")`` is refused (3 blocks, nothing
+        computed); after ``take_transfers()`` and the step's writes it moves 3 blocks. Swap out
+        a victim before scheduling it in the step, or after the step.
         """
         s = self._seq(seq_id)
         if self._tier is None:
@@ -979,9 +1005,11 @@ class KVCacheManager:
             raise ValueError(self._not_ready(seq_id, s, "swap out"))
         refcount, table = self._pool.refcount, s.table
         tier = self._tier
-        if any(b in self._copy_dst or tier.is_load_destination(b) or tier.is_store_source(b) for b in table):
-            raise ValueError(f"cannot swap out {seq_id!r}: a copy or transfer of its blocks is "
-                             f"pending, so it was given blocks this step; swap out before appending")
+        if s in self._busy or any(b in self._copy_dst or tier.is_load_destination(b) or tier.is_store_source(b)
+                                  for b in table):
+            raise ValueError(f"cannot swap out {seq_id!r}: it was given positions or blocks in this step "
+                             f"(or a copy or transfer of its blocks is pending), whose K/V is written only "
+                             f"after take_transfers(); swap it out before scheduling it, or after the step")
         private = [i for i, b in enumerate(table) if refcount(b) == 1]
         keys, content = self._block_hashes(s, private)
         host = self._tier.swap_out([table[i] for i in private], keys, content, f"swapping out {seq_id!r}")
@@ -1079,8 +1107,10 @@ class KVCacheManager:
         p.nxt = -1  # the partial last block, if any, is shared now: the next write decides
         mirror = None if p.mirror is None else p.mirror.copy()
         # the parent's step wrote every block it shares: the child's full ones count as written
-        self._seqs[child_id] = _Seq(p.table.copy(), p.tokens[:], p.hashes.copy(), p.keys, mirror,
-                                    written=p.computed // self._bs)
+        child = self._seqs[child_id] = _Seq(p.table.copy(), p.tokens[:], p.hashes.copy(), p.keys, mirror,
+                                            written=p.computed // self._bs)
+        if self._busy and p in self._busy:  # forked before the step ran (against the rule)
+            self._busy.add(child)
         self._forks += 1
 
     def free(self, seq_id: Hashable, *, cache: bool = True) -> None:
@@ -1104,6 +1134,8 @@ class KVCacheManager:
             raise ValueError(f"cache must be a bool, got {cache!r}")
         s = self._seq(seq_id)
         del self._seqs[seq_id]
+        if self._busy:
+            self._busy.discard(s)
         if s.unscheduled or s.drafts or s.host is not None:
             self._unready -= 1
         table = s.table
@@ -1128,15 +1160,26 @@ class KVCacheManager:
             if not cache:  # and the blocks after the written prefix, which it computed itself
                 mine = mine + [b for b in s.table[s.written :]
                                if b >= 0 and refcount(b) == 1 and b not in unloaded]
-            prefix.unpublish(mine)
+            self._unpublish(mine)
             if self._write_through:
                 tier.forget_published(mine)
         self._pool.release_all(table[::-1])
 
+    def _unpublish(self, blocks: list[int]) -> None:
+        """Forget device blocks' hashes (their K/V will never be written); with a host tier,
+        host blocks chained from a hash that is now on neither tier go with it."""
+        tier = self._tier
+        gone = [k for k in map(self._pool.key, blocks) if k is not None] if tier is not None else ()
+        self._cache.unpublish(blocks)
+        if gone:
+            tier.drop_orphans(gone)
+
     # ---- prefix cache ------------------------------------------------------------------------
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached hash; refused (False, nothing changed) while any block is in use."""
+        """Drop every cached hash, the host tier's too; refused (False, nothing changed) while
+        any block is in use on either tier or a transfer is pending (so while any sequence is
+        live, swapped out or not)."""
         tier = self._tier
         if self._pool.num_used or (tier is not None and (tier.num_used or tier.has_pending())):
             return False
@@ -1316,6 +1359,10 @@ class KVCacheManager:
                       and pool.refcount(s.table[-1]) == 1)
                 _require(bool(ok), f"sequence {sid!r}: fast-path slot {s.nxt} is not its private next slot")
         _require(unready == self._unready, f"{unready} sequences unready, {self._unready} counted")
+        if self._busy is not None:
+            live = set(map(id, self._seqs.values()))
+            _require(all(id(s) in live and s.host is None for s in self._busy),
+                     "a sequence given work this step is freed or swapped out")
         _require(swapped == self._swapped, f"{swapped} sequences swapped out, {self._swapped} counted")
         if self._tier is not None:
             self._tier.check_invariants(host_refs, self._rehash)
