@@ -313,10 +313,21 @@ class HostTier:
         self._wt_new += [(d, h) for d, h in zip(device_blocks, hashes) if device is None or device.get(h) == d]
 
     def _write_through(self, device_cache: PrefixCache) -> None:
-        cache = self._cache
-        self._store([(d, h, device_cache.content_of(d)) for d, h in self._wt_ready
-                     if device_cache.get(h) == d and cache.get(h) is None])
-        self._wt_ready, self._wt_new = self._wt_new, []
+        """Copy out the blocks published the step before last. A hash whose block left the
+        device map meanwhile, with a live twin taking it over (see the prefix cache), is copied
+        from the twin, two drains from now: the twin may have been filled this very step, so
+        its K/V is trusted only once a step has run since (a later copy, never an unwritten one)."""
+        cache, store, later = self._cache, [], []
+        for d, h in self._wt_ready:
+            if cache.get(h) is not None:
+                continue
+            mapped = device_cache.get(h)
+            if mapped == d:
+                store.append((d, h, device_cache.content_of(d)))
+            elif mapped is not None:
+                later.append((mapped, h))
+        self._store(store)
+        self._wt_ready, self._wt_new = self._wt_new + later, []
 
     def forget_published(self, device_blocks: Sequence[int]) -> None:
         """Unpublished device blocks (their K/V was never computed): no write-through."""
