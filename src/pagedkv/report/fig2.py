@@ -411,11 +411,17 @@ def _sweep_table(wl: _Workload) -> Table:
         f"throughput ({wl.capacity:g} req/s); shares over the serving run",
         ["rate req/s", "x capacity", "token states %", "free %", "time with a queue %",
          "requests/s served", "preemptions", "headline %"],
-        plot={"name": "fig2_load", "x": "rate req/s", "y": ["token states %", "free %", "time with a queue %"],
-              "kind": "line", "ymin": 0, "ymax": 100, "ylabel": "% (of KV memory; of the run for the queue)",
-              "xlabel": "arrival rate (requests/s)", "marker": "headline %", "marker_label": "the headline run",
-              "title": f"Paged on {wl.label}: how full memory is depends on the offered load "
-                       f"(diamond: the headline rate)"},
+        plot={"name": "fig2_load", "x": "rate req/s", "y": ["token states %", "free %"],
+              "y2": ["time with a queue %"], "ylabel2": "% of the run's busy time with a request waiting",
+              "ymax2": 100,
+              "legend": {"token states %": "KV memory holding token states",
+                         "free %": "KV memory free",
+                         "time with a queue %": "time with a request waiting"},
+              "kind": "line", "ymin": 0, "ymax": 100, "ylabel": "% of KV memory (time-weighted)",
+              "xlabel": "Poisson arrival rate (requests/s)", "marker": "headline %",
+              "marker_label": "token states in the headline run",
+              "vline": [wl.capacity, "paging's capacity, req/s saturated"],
+              "title": f"Paged on {wl.label}: KV memory use and queueing against the offered load"},
     )
     rows = [(f, res, m) for f, res, m in wl.sweep] + [(HEADLINE_LOAD, *wl.serving["paged"])]
     for f, res, m in sorted(rows, key=lambda r: r[0]):
