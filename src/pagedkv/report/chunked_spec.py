@@ -47,8 +47,9 @@ WIDTH = 96  # printed lines stay under 100 columns
 
 
 def _wrap(text: str, indent: str = "") -> list[str]:
-    """A note as several notes of at most ``WIDTH`` columns (the table prefixes each with 2)."""
-    return textwrap.wrap(text, WIDTH - 2, subsequent_indent=indent)
+    """A note, whole: the table wraps its notes itself (a note split here would read as two
+    paragraphs, cut mid-sentence). ``indent`` is kept for callers and ignored."""
+    return [text]
 
 
 def _published(events) -> list[tuple]:
@@ -115,13 +116,17 @@ def _timeline_table(rows, bs) -> Table:
     for r in rows:
         t.add(*r.values())
     for note in (
-            "computed: A's num_computed; table: blocks in A's table; published: blocks in this step's "
-            "BlockStored events; full blocks: computed // block size (= pub. total, the v2 rule)",
+            "computed: A's num_computed; table: blocks in A's table; published: blocks this step made "
+            "findable by other requests' prefix lookups (announced as BlockStored, vLLM's KV event for "
+            "a block entering the prefix cache); full blocks: computed // block size (= pub. total: "
+            "the manager publishes a block once all its positions are scheduled)",
             "B hits: lookup(B) right after this step's scheduling (side-effect free). Chunked, B hits "
             "only blocks whose positions are all scheduled: a block published in this step is "
             "computed in this step's forward, before B's attention reads it",
-            "B hits, whole: A admitted with prefill=None publishes every full block at step 0, before "
-            "its K/V exists. A's last partial block is published when decoding fills it"):
+            "B hits, whole: A admitted whole (add_sequence without a chunk size, prefill=None: every "
+            "prompt position counts as scheduled at admission) publishes every full block at step 0, "
+            "before an engine computing the prompt in chunks has its K/V. A's last partial block is "
+            "published when decoding fills it"):
         t.notes += _wrap(note, "  ")
     return t
 
@@ -163,7 +168,7 @@ def _memory_table(rows, bs, block_bytes, model, data) -> Table:
     data.update(memory_prompt_tokens=prompt_len, memory_chunk=chunk, memory_chunks=len(rows),
                 mean_blocks_chunked=held / len(rows), mean_blocks_whole=whole / len(rows),
                 mean_held_ratio=held / whole, block_bytes=block_bytes)
-    t.notes += _wrap(f"blocks whole: the whole prompt allocated at admission (prefill=None). Averaged "
+    t.notes += _wrap(f"blocks whole: the whole prompt allocated at admission (no chunking). Averaged "
                      f"over the {len(rows)} chunks the chunked prefill holds {held / whole:.1%} of "
                      "those blocks (block-steps); after the last chunk both hold the same", "  ")
     return t
@@ -267,8 +272,8 @@ def _rollback_table(runs, block_bytes, model, seqs, steps) -> Table:
             "wrong blk / wrong tok: blocks the drafts filled that hold a rejected draft, and the "
             "rejected drafts in them: what a manager publishing drafts as they fill a block would "
             "have cached with wrong content",
-            "published: blocks in the manager's BlockStored events; pub. wrong: those whose tokens "
-            "are no sequence's accepted tokens"):
+            "published: blocks the manager entered into its prefix cache (its BlockStored events); "
+            "pub. wrong: those whose tokens are no sequence's accepted tokens"):
         t.notes += _wrap(note, "  ")
     return t
 
@@ -295,8 +300,10 @@ def section(opts: ReportOptions) -> Section:
                          "published": r.published_blocks, "published_wrong": r.published_wrong}
                         for r in runs]
     sec = Section(KEY, HEADING, intro=textwrap.fill(
-        "Contract v2 on the real manager: a block is published only once every position in it is "
-        "scheduled for compute, chunks allocate only what they schedule, and drafts are never "
+        "The manager's rule for chunked prefill and drafts, on the real manager: a block is "
+        "published (entered into the prefix cache, where other requests' lookups find it, and "
+        "announced as a BlockStored KV event in vLLM's format) only once every position in it is "
+        "scheduled for compute; chunks allocate only what they schedule; draft tokens are never "
         "published and roll back with accept(). Every number below is read from KVCacheManager "
         "runs (numpy only, no model).", WIDTH))
     sec.tables = [_timeline_table(rows, bs), _memory_table(mem, bs, block_bytes, opts.model, data),

@@ -275,7 +275,7 @@ def _why(name: str, m: Metrics, res: SimResult, max_len: int, synthetic: bool, p
             f"{_pct(sh['free'])}% is free: memory the requests present do not need")
     if paper:
         text = (f"Token states {ours['token_states']:.1f}% vs 96.3%: {text} (the serving run's ramp-up and "
-                f"drain, the 1% admission watermark, room too small for the waiting head)")
+                f"drain, the 1% admission watermark, room too small for the first request in the waiting queue)")
     return text[0].upper() + text[1:] + "."
 
 
@@ -522,7 +522,7 @@ def section(opts: ReportOptions) -> Section:
         "Paper columns: vLLM paper Fig. 2 (ShareGPT, OPT-13B, read from its bars); it has no Azure "
         "bars, and for vLLM it gives the token states share only.",
     ]
-    sat_t.notes += [memory, "Band: the same rerun at the two log-sds as in the serving-run table.",
+    sat_t.notes += [memory, "Band: the same rerun at the two log-sds (spreads of log length) as in the serving-run table.",
                     "Categories and columns as in the serving-run table."]
     tables = [srv_t, sat_t, _cost_table(wls, cm)]
     if head.sweep:
@@ -546,7 +546,8 @@ def _band_note(spread, head: _Workload) -> str:
 
     rates = " and ".join(f"{r:g}" for r in head.band_rates)
     assumed = LOGNORMAL_SPECS["sharegpt"].output_sigma
-    return (f"Band: token states % from the whole procedure rerun with the ShareGPT-like log-sd of "
+    return (f"Band: token states % from the whole procedure rerun with the ShareGPT-like log-sd (the "
+            f"standard deviation of log length, the lognormal's spread) of "
             f"prompt and output lengths set to {spread[0]:.2f} and {spread[1]:.2f} (assumed {assumed:g}; rates "
             f"{rates} req/s by the same rule), the smallest and largest log-sd of any length in the "
             "public traces (Azure conv, Azure code, Mooncake), since the paper publishes only "

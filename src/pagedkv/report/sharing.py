@@ -219,7 +219,7 @@ def section(opts: ReportOptions) -> Section:
 
     assumed = ", ".join(f"{label} {LOGNORMAL_SPECS[wl].output_sigma:g}" for wl, label in
                         (("alpaca", "Alpaca"), ("sharegpt", "ShareGPT")))
-    band = (f"band = the saving with the log-sd of prompt and output lengths set to {spread[0]:.2f} and "
+    band = (f"band = the saving with the log-sd (standard deviation of log length) of prompt and output lengths set to {spread[0]:.2f} and "
             f"{spread[1]:.2f} (assumed: {assumed}), the smallest and largest log-sd of any length in "
             "the public traces" if spread else "no public trace found: no length band")
     common = [
