@@ -177,7 +177,9 @@ def _sharegpt_gap(rows) -> str:
             "The t = 0 column is a handful of requests whose prompt/output ratios are drawn: parallel "
             "samples share only the prompt, so with the published means (prompt "
             f"{p:g}, output {o:g} tokens) the saving is about (n-1) P / (n (P + O/2)) = {bound[2]:.1f}% at "
-            f"n = 2 and {bound[6]:.1f}% at n = 6, and a few requests land anywhere around it.")
+            f"n = 2 and {bound[6]:.1f}% at n = 6 from the means alone (an upper estimate: only full prompt "
+            "blocks are shared, and short prompts with long outputs share little), and a few "
+            "requests land anywhere around it.")
     beam6 = got.get(("beam", 6))
     if beam6 is not None:
         saved = beam6.serving[1] if beam6.serving else beam6.saved
