@@ -73,7 +73,7 @@ def _fork_row(length: int, block_size: int, kv_bytes: int, reps: int) -> list:
 def _copy_us(nbytes: float) -> float:
     """Modelled µs to copy ``nbytes`` within device memory: read and write each byte once at the
     H100's HBM bandwidth (3.35 TB/s), the floor of any copy kernel. 256 MiB: 2 x 268,435,456 /
-    3.35e12 = 160.3 µs."""
+    3.35e12 = 160.26 µs."""
     from ..sim.costmodel import H100_HBM_BYTES_PER_S
 
     return 2 * nbytes / H100_HBM_BYTES_PER_S * 1e6

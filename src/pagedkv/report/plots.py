@@ -157,6 +157,7 @@ def _draw_bars(ax, table: Table, hint: dict, x: list) -> dict:
     width = 0.8 / len(ys)
     band = hint.get("band", {})
     fmt = hint.get("annotate_format", "{}")
+    tops: list[float] = []
     for i, name in enumerate(ys):
         pos = [c - 0.4 + width * (i + 0.5) for c in centres]
         vals = _numbers(table, name)
@@ -184,11 +185,13 @@ def _draw_bars(ax, table: Table, hint: dict, x: list) -> dict:
                 if not math.isnan(v):
                     ax.annotate(f"{v:,.4g}", (rect.get_x() + rect.get_width() / 2, rect.get_height()),
                                 xytext=(0, 2), textcoords="offset points", ha="center", fontsize=6)
-        if i == 0 and hint.get("annotate"):
-            for rect, text in zip(bars, table.column(hint["annotate"])):
-                if text is not None:
-                    ax.annotate(fmt.format(text), (rect.get_x() + rect.get_width() / 2, rect.get_height()),
-                                xytext=(0, 3), textcoords="offset points", ha="center", fontsize=7)
+        tops = [t if math.isnan(v) else max(t, v) for t, v in zip(tops, vals)] if i else [
+            0.0 if math.isnan(v) else v for v in vals]
+    if hint.get("annotate"):  # one label per group, above its tallest bar
+        for centre, top, text in zip(centres, tops, table.column(hint["annotate"])):
+            if text is not None:
+                ax.annotate(fmt.format(text), (centre, top), xytext=(0, 3), textcoords="offset points",
+                            ha="center", fontsize=7)
     if hint.get("marker"):
         _marker(ax, [c - 0.4 + width / 2 for c in centres] if len(ys) > 1 else centres,
                 _numbers(table, hint["marker"]), width, hint.get("marker_label", hint["marker"]))
