@@ -111,8 +111,13 @@ def _timeline_table(rows, bs) -> Table:
               f"B shares A's first {shared}",
               list(rows[0]),
               plot={"name": "chunked_prefix_hits", "x": "step", "y": ["B hits", "B hits, whole"], "kind": "line",
-                    "ymin": 0,
-                    "ylabel": "tokens B would hit"})
+                    "ymin": 0, "xlabel": "scheduler step (one chunk of A per step, then decoding)",
+                    "ylabel": "tokens of B's prompt found in the prefix cache",
+                    "legend": {"B hits": "A prefilled in chunks: blocks published as scheduled",
+                               "B hits, whole": "A admitted whole: every full block published at once"},
+                    "styles": {"B hits, whole": {"linestyle": "--", "marker": "s"}},
+                    "title": f"What a second prompt B finds in the prefix cache while A ({n} tokens) is "
+                             f"prefilled in chunks of {chunk} (block size {bs})"})
     for r in rows:
         t.add(*r.values())
     for note in (
@@ -161,7 +166,12 @@ def _memory_table(rows, bs, block_bytes, model, data) -> Table:
               ["chunk", "computed", "blocks chunked", "blocks whole", "MiB chunked", "MiB whole",
                "chunked / whole %"],
               plot={"name": "chunked_memory", "x": "computed", "y": ["MiB chunked", "MiB whole"], "kind": "line",
-                    "ylabel": f"KV MiB held ({model})"})
+                    "ylabel": f"KV MiB held ({model})", "xlabel": "prompt tokens computed (tokens)",
+                    "legend": {"MiB chunked": "chunked: blocks allocated as chunks are scheduled",
+                               "MiB whole": "whole prompt allocated at admission"},
+                    "styles": {"MiB whole": {"linestyle": "--", "marker": "s"}},
+                    "title": f"KV memory held while prefilling a {prompt_len:,}-token prompt in chunks of "
+                             f"{chunk} ({model})"})
     for i, (done, a, b) in enumerate(rows):
         t.add(i + 1, done, a, b, a * block_bytes / MIB, b * block_bytes / MIB, 100 * a / b)
     held, whole = sum(r[1] for r in rows), sum(r[2] for r in rows)
@@ -256,7 +266,7 @@ def _rollback_table(runs, block_bytes, model, seqs, steps) -> Table:
               ["p", "k", "accepted %", "tok/step", "freed", "MiB freed", "wrong blk", "wrong tok",
                "published", "pub. wrong"],
               plot={"name": "spec_rollback", "x": "p", "xlabels": ["k", "p"], "y": ["freed", "wrong blk"],
-                    "kind": "bar", "ylabel": "blocks", "xlabel": "drafts per step k, each right with probability p",
+                    "kind": "bar", "ylabel": "blocks (count over the run)", "xlabel": "drafts per step k, each right with probability p",
                     "legend": {"freed": "blocks accept() freed (held only rejected drafts)",
                                "wrong blk": "blocks that would hold wrong tokens without rollback"}})
     for r in runs:

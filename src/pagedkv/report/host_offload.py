@@ -274,7 +274,10 @@ def _hits_table(opts: ReportOptions, path: Path, cost: CostModel) -> tuple[Table
         ["host capacity", "host GiB", "device hits %", "host hits %", "GiB loaded", "GiB offloaded",
          *TTFT_COLUMNS],
         plot={"name": "host_tier_hits", "x": "host capacity", "y": ["device hits %", "host hits %"], "kind": "bar",
-              "ylabel": "% of prompt tokens served from cache", "xlabel": "host tier capacity",
+              "ylabel": "% of prompt tokens served from cache", "annotate_values": True,
+              "xlabel": "host tier capacity (multiple of the device pool)",
+              "legend": {"device hits %": "hit on the device (GPU) cache",
+                         "host hits %": "hit in the host tier, loaded back"},
               "title": f"Prefix hits against host tier capacity, measured on the manager (Mooncake, first "
                        f"{len(requests):,} requests); the modelled TTFT is in the table only"},
     )
