@@ -224,6 +224,16 @@ def _eps_table(runs: dict, n: int, sec: Section) -> Table:
     return t
 
 
+# What each router's counters mean, in words (pagedkv.sim.routers).
+ROUTER_STATS = {
+    "affinity": "requests sent to the replica holding their longest cached prefix:",
+    "below_threshold": "requests whose longest cached prefix was too short to count, sent to the least "
+                       "loaded replica:",
+    "guard": "requests the load guard sent elsewhere:",
+    "overflow": "requests passed on from a full replica (overflow):",
+}
+
+
 def _known(value: float, digits: int) -> float | None:
     """A measured value rounded, or None (shown "-") where nothing was measured (NaN: no prefix
     was shared by two requests on the slice)."""
@@ -252,7 +262,7 @@ def _router_table(results: list[tuple[str, FleetResult]], n: int, sec: Section) 
                    "- where no prefix was used twice on the slice")
     for label, res in results:
         if res.router_stats:
-            stats = ", ".join(f"{k} {v:,}" for k, v in sorted(res.router_stats.items()))
+            stats = ", ".join(f"{ROUTER_STATS.get(k, k)} {v:,}" for k, v in sorted(res.router_stats.items()))
             t.notes.append(f"{label}: {stats}" + (f"; {res.event_bytes / 1e6:.1f} MB of KV events decoded"
                                                   if res.event_bytes else "; KV events handed over in process"
                                                   if label == "precise" else ""))
@@ -390,7 +400,8 @@ def _summary(sec: Section) -> None:
     floor = sec.data["key_floor_rsd"]
     enough = _enough_k(sec)
     routers = sec.data["routers"]
-    text = (f"Measured share RSD falls from {k1['share_rsd_rms']:.3f} at k = 1 to {k1000['share_rsd_rms']:.4f} at "
+    text = (f"Measured share RSD (relative standard deviation of the replicas' shares of the ring) falls "
+            f"from {k1['share_rsd_rms']:.3f} at k = 1 virtual node per replica to {k1000['share_rsd_rms']:.4f} at "
             f"k = 1,000 (theory {k1['theory']:.3f} and {k1000['theory']:.4f}). On the trace's own keys the "
             f"request RSD cannot go below {floor:.3f} (a conversation's turns share a key); from k = {enough:,} "
             f"it is {rows[enough]['requests_rsd_rms']:.3f}, at that floor, so more virtual nodes buy nothing "

@@ -146,7 +146,7 @@ def _paper(r: _Row, paper_cols: list[str]) -> list:
     return list(PAPER_SHAREGPT_RANGE[r.mode])
 
 
-def _sharegpt_gap(rows) -> str:
+def _sharegpt_gap(rows, at_zero: int) -> str:
     """Why ShareGPT-like savings fall outside the paper's range, with the number that bounds them:
     n samples share only the prompt, so with the published means (prompt P = 161.31, output
     O = 338.0) the time-weighted saving of n = 2 is about P / (2 (P + O / 2)) = 24.4%."""
@@ -174,11 +174,11 @@ def _sharegpt_gap(rows) -> str:
             f"{rows[0].serving[2] if rows and rows[0].serving else 0:,} requests arriving as a Poisson "
             f"process at {HEADLINE_LOAD:g} x what paging serves saturated at that width, blocks saved = 1 - "
             "physical / logical blocks, time-weighted over the run as Fig. 15 is): " + "; ".join(parts) + ". "
-            "The t = 0 column is a handful of requests whose prompt/output ratios are drawn: parallel "
+            f"The t = 0 column is {at_zero:,} requests whose prompt/output ratios are drawn: parallel "
             "samples share only the prompt, so with the published means (prompt "
             f"{p:g}, output {o:g} tokens) the saving is about (n-1) P / (n (P + O/2)) = {bound[2]:.1f}% at "
             f"n = 2 and {bound[6]:.1f}% at n = 6 from the means alone (an upper estimate: only full prompt "
-            "blocks are shared, and short prompts with long outputs share little), and a few "
+            "blocks are shared, and short prompts with long outputs share little), and so few "
             "requests land anywhere around it.")
     beam6 = got.get(("beam", 6))
     if beam6 is not None:
@@ -242,7 +242,7 @@ def section(opts: ReportOptions) -> Section:
                              f"rate shown ({HEADLINE_LOAD:g} x the requests/s paging serves saturated at that "
                              "width, the Fig. 2 rule), seed as above; saved % time-weighted over the run.",
                     f"paper range: vLLM paper section 6.3 on ShareGPT, the saving over widths 2 to 6 "
-                             f"({ranges}); a reference, computed nowhere.", _sharegpt_gap(sharegpt)]
+                             f"({ranges}); a reference, computed nowhere.", _sharegpt_gap(sharegpt, sizes["sharegpt"])]
     data = {f"{wl}/{r.mode}/{r.width}": {"saved": r.saved / 100,
                                         "band": [min(r.band + [r.saved]) / 100, max(r.band + [r.saved]) / 100],
                                         "seeds": [s / 100 for s in r.seeds],
