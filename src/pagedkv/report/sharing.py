@@ -38,7 +38,7 @@ SIZES = {"alpaca": 80, "sharegpt": 20}
 QUICK_SIZES = {"alpaca": 10, "sharegpt": 2}
 # ShareGPT-like serving run, measured as the paper's section 6.3 numbers are: Poisson arrivals,
 # hundreds of requests, blocks saved time-averaged over the run (Fig. 15's measure).
-SERVING_REQUESTS = 200
+SERVING_REQUESTS = 100
 QUICK_SERVING_REQUESTS = 20
 MODES = {"parallel": "n", "beam": "beam"}
 
