@@ -47,8 +47,9 @@ WIDTH = 96  # printed lines stay under 100 columns
 
 
 def _wrap(text: str, indent: str = "") -> list[str]:
-    """A note as several notes of at most ``WIDTH`` columns (the table prefixes each with 2)."""
-    return textwrap.wrap(text, WIDTH - 2, subsequent_indent=indent)
+    """A note, whole: the table wraps its notes itself (a note split here would read as two
+    paragraphs, cut mid-sentence). ``indent`` is kept for callers and ignored."""
+    return [text]
 
 
 def _published(events) -> list[tuple]:
@@ -110,18 +111,27 @@ def _timeline_table(rows, bs) -> Table:
               f"B shares A's first {shared}",
               list(rows[0]),
               plot={"name": "chunked_prefix_hits", "x": "step", "y": ["B hits", "B hits, whole"], "kind": "line",
-                    "ymin": 0,
-                    "ylabel": "tokens B would hit"})
+                    "ymin": 0, "xlabel": "scheduler step (one chunk of A per step, then decoding)",
+                    "ylabel": "tokens of B's prompt found in the prefix cache",
+                    "legend": {"B hits": "A prefilled in chunks: blocks published as scheduled",
+                               "B hits, whole": "A admitted whole: every full block published at once"},
+                    "styles": {"B hits, whole": {"linestyle": "--", "marker": "s"}},
+                    "title": f"What a second prompt B finds in the prefix cache while A ({n} tokens) is "
+                             f"prefilled in chunks of {chunk} (block size {bs})"})
     for r in rows:
         t.add(*r.values())
     for note in (
-            "computed: A's num_computed; table: blocks in A's table; published: blocks in this step's "
-            "BlockStored events; full blocks: computed // block size (= pub. total, the v2 rule)",
+            "computed: A's num_computed; table: blocks in A's table; published: blocks this step made "
+            "findable by other requests' prefix lookups (announced as BlockStored, vLLM's KV event for "
+            "a block entering the prefix cache); full blocks: computed // block size (= pub. total: "
+            "the manager publishes a block once all its positions are scheduled)",
             "B hits: lookup(B) right after this step's scheduling (side-effect free). Chunked, B hits "
             "only blocks whose positions are all scheduled: a block published in this step is "
             "computed in this step's forward, before B's attention reads it",
-            "B hits, whole: A admitted with prefill=None publishes every full block at step 0, before "
-            "its K/V exists. A's last partial block is published when decoding fills it"):
+            "B hits, whole: A admitted whole (add_sequence without a chunk size, prefill=None: every "
+            "prompt position counts as scheduled at admission) publishes every full block at step 0, "
+            "before an engine computing the prompt in chunks has its K/V. A's last partial block is "
+            "published when decoding fills it"):
         t.notes += _wrap(note, "  ")
     return t
 
@@ -156,14 +166,19 @@ def _memory_table(rows, bs, block_bytes, model, data) -> Table:
               ["chunk", "computed", "blocks chunked", "blocks whole", "MiB chunked", "MiB whole",
                "chunked / whole %"],
               plot={"name": "chunked_memory", "x": "computed", "y": ["MiB chunked", "MiB whole"], "kind": "line",
-                    "ylabel": f"KV MiB held ({model})"})
+                    "ylabel": f"KV MiB held ({model})", "xlabel": "prompt tokens computed (tokens)",
+                    "legend": {"MiB chunked": "chunked: blocks allocated as chunks are scheduled",
+                               "MiB whole": "whole prompt allocated at admission"},
+                    "styles": {"MiB whole": {"linestyle": "--", "marker": "s"}},
+                    "title": f"KV memory held while prefilling a {prompt_len:,}-token prompt in chunks of "
+                             f"{chunk} ({model})"})
     for i, (done, a, b) in enumerate(rows):
         t.add(i + 1, done, a, b, a * block_bytes / MIB, b * block_bytes / MIB, 100 * a / b)
     held, whole = sum(r[1] for r in rows), sum(r[2] for r in rows)
     data.update(memory_prompt_tokens=prompt_len, memory_chunk=chunk, memory_chunks=len(rows),
                 mean_blocks_chunked=held / len(rows), mean_blocks_whole=whole / len(rows),
                 mean_held_ratio=held / whole, block_bytes=block_bytes)
-    t.notes += _wrap(f"blocks whole: the whole prompt allocated at admission (prefill=None). Averaged "
+    t.notes += _wrap(f"blocks whole: the whole prompt allocated at admission (no chunking). Averaged "
                      f"over the {len(rows)} chunks the chunked prefill holds {held / whole:.1%} of "
                      "those blocks (block-steps); after the last chunk both hold the same", "  ")
     return t
@@ -251,7 +266,7 @@ def _rollback_table(runs, block_bytes, model, seqs, steps) -> Table:
               ["p", "k", "accepted %", "tok/step", "freed", "MiB freed", "wrong blk", "wrong tok",
                "published", "pub. wrong"],
               plot={"name": "spec_rollback", "x": "p", "xlabels": ["k", "p"], "y": ["freed", "wrong blk"],
-                    "kind": "bar", "ylabel": "blocks", "xlabel": "drafts per step k, each right with probability p",
+                    "kind": "bar", "ylabel": "blocks (count over the run)", "xlabel": "drafts per step k, each right with probability p",
                     "legend": {"freed": "blocks accept() freed (held only rejected drafts)",
                                "wrong blk": "blocks that would hold wrong tokens without rollback"}})
     for r in runs:
@@ -267,8 +282,8 @@ def _rollback_table(runs, block_bytes, model, seqs, steps) -> Table:
             "wrong blk / wrong tok: blocks the drafts filled that hold a rejected draft, and the "
             "rejected drafts in them: what a manager publishing drafts as they fill a block would "
             "have cached with wrong content",
-            "published: blocks in the manager's BlockStored events; pub. wrong: those whose tokens "
-            "are no sequence's accepted tokens"):
+            "published: blocks the manager entered into its prefix cache (its BlockStored events); "
+            "pub. wrong: those whose tokens are no sequence's accepted tokens"):
         t.notes += _wrap(note, "  ")
     return t
 
@@ -295,8 +310,10 @@ def section(opts: ReportOptions) -> Section:
                          "published": r.published_blocks, "published_wrong": r.published_wrong}
                         for r in runs]
     sec = Section(KEY, HEADING, intro=textwrap.fill(
-        "Contract v2 on the real manager: a block is published only once every position in it is "
-        "scheduled for compute, chunks allocate only what they schedule, and drafts are never "
+        "The manager's rule for chunked prefill and drafts, on the real manager: a block is "
+        "published (entered into the prefix cache, where other requests' lookups find it, and "
+        "announced as a BlockStored KV event in vLLM's format) only once every position in it is "
+        "scheduled for compute; chunks allocate only what they schedule; draft tokens are never "
         "published and roll back with accept(). Every number below is read from KVCacheManager "
         "runs (numpy only, no model).", WIDTH))
     sec.tables = [_timeline_table(rows, bs), _memory_table(mem, bs, block_bytes, opts.model, data),

@@ -68,8 +68,11 @@ def section(opts: ReportOptions) -> Section:
         key="cow_case",
         heading="Why the first write after a fork must copy",
         intro=(
-            "Copy-on-write happens exactly once per forked sequence: at its first write into the "
-            "shared, partially filled last block. The case below is run on the real manager."
+            "After a fork, parent and child share every block. A child's first write into a shared, "
+            "partially filled block copies that block once (one block, then the child writes its "
+            "own copy); writes into blocks it holds alone, and the blocks after it, copy nothing, and "
+            "a shared full block is never written, so it is never copied. The case below is run on "
+            "the real manager."
         ),
         text=["\n".join(lines)],
         data=data,

@@ -94,8 +94,13 @@ def section(opts: ReportOptions) -> Section:
 def _error_table(measured, steps) -> Table:
     t = Table("logit error against the dense reference",
               ["run", "sequences", "steps", "max |Δ logit|", f"sequences off by > {DIVERGED:g}"],
-              plot={"name": "cow_proof_error", "x": "run", "y": ["max |Δ logit|"], "kind": "bar", "logy": True,
-                    "ylabel": "largest logit error (log scale)"})
+              plot={"name": "cow_proof_error", "x": "run", "y": ["max |Δ logit|"], "kind": "line",
+                    "points": True, "logy": True, "legend": {"max |Δ logit|": "largest |logit error| of any "
+                                                              "sequence and step"},
+                    "hline": [DIVERGED, f"tolerance {DIVERGED:g}: above it a sequence is off"],
+                    "ylabel": "largest |logit error| (logits, log scale)", "xlabel": "run",
+                    "title": "Copy-on-write keeps a real decoder exact: largest logit error against the "
+                             "dense reference, per run"})
     for name, errs, _, _ in measured:
         t.add(name, len(errs), steps, max(errs), sum(e > DIVERGED for e in errs))
     t.notes.append("In place, the samples overwrite one another's K/V at the same offset of the shared "
@@ -104,13 +109,17 @@ def _error_table(measured, steps) -> Table:
 
 
 def _bytes_table(measured, tiny_block, model_block, model_name) -> Table:
-    t = Table(f"bytes copied: lazily (CoW) vs eagerly at fork (right: {model_name}, "
+    t = Table(f"bytes copied: lazily (CoW) vs eagerly at fork (MiB columns: {model_name}, "
               f"{model_block:,} B/block)",
               ["run", "forks", "CoW blocks", "eager blocks", "CoW bytes", "eager bytes",
                "CoW MiB", "eager MiB", "eager / CoW"],
               plot={"name": "cow_proof_bytes", "x": "run", "y": ["CoW MiB", "eager MiB"], "kind": "bar",
                     "annotate_values": True,
-                    "ylabel": f"MiB moved ({model_name})"})
+                    "legend": {"CoW MiB": "copy-on-write: blocks copied at first writes",
+                               "eager MiB": "eager: the parent's whole table copied at every fork"},
+                    "ylabel": f"MiB of {model_name} KV copied", "xlabel": "run",
+                    "title": f"KV copied per run: copy-on-write against an eager copy at every fork "
+                             f"({model_name}, {model_block / 2**20:g} MiB per block)"})
     for name, _, st, _ in measured:
         if "in place" in name:
             continue

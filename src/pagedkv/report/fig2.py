@@ -275,7 +275,7 @@ def _why(name: str, m: Metrics, res: SimResult, max_len: int, synthetic: bool, p
             f"{_pct(sh['free'])}% is free: memory the requests present do not need")
     if paper:
         text = (f"Token states {ours['token_states']:.1f}% vs 96.3%: {text} (the serving run's ramp-up and "
-                f"drain, the 1% admission watermark, room too small for the waiting head)")
+                f"drain, the 1% admission watermark, room too small for the first request in the waiting queue)")
     return text[0].upper() + text[1:] + "."
 
 
@@ -411,11 +411,17 @@ def _sweep_table(wl: _Workload) -> Table:
         f"throughput ({wl.capacity:g} req/s); shares over the serving run",
         ["rate req/s", "x capacity", "token states %", "free %", "time with a queue %",
          "requests/s served", "preemptions", "headline %"],
-        plot={"name": "fig2_load", "x": "rate req/s", "y": ["token states %", "free %", "time with a queue %"],
-              "kind": "line", "ymin": 0, "ymax": 100, "ylabel": "% (of KV memory; of the run for the queue)",
-              "xlabel": "arrival rate (requests/s)", "marker": "headline %", "marker_label": "the headline run",
-              "title": f"Paged on {wl.label}: how full memory is depends on the offered load "
-                       f"(diamond: the headline rate)"},
+        plot={"name": "fig2_load", "x": "rate req/s", "y": ["token states %", "free %"],
+              "y2": ["time with a queue %"], "ylabel2": "% of the run's busy time with a request waiting",
+              "ymax2": 100,
+              "legend": {"token states %": "KV memory holding token states",
+                         "free %": "KV memory free",
+                         "time with a queue %": "time with a request waiting"},
+              "kind": "line", "ymin": 0, "ymax": 100, "ylabel": "% of KV memory (time-weighted)",
+              "xlabel": "Poisson arrival rate (requests/s)", "marker": "headline %",
+              "marker_label": "token states in the headline run",
+              "vline": [wl.capacity, "paging's capacity, req/s saturated"],
+              "title": f"Paged on {wl.label}: KV memory use and queueing against the offered load"},
     )
     rows = [(f, res, m) for f, res, m in wl.sweep] + [(HEADLINE_LOAD, *wl.serving["paged"])]
     for f, res, m in sorted(rows, key=lambda r: r[0]):
@@ -516,7 +522,7 @@ def section(opts: ReportOptions) -> Section:
         "Paper columns: vLLM paper Fig. 2 (ShareGPT, OPT-13B, read from its bars); it has no Azure "
         "bars, and for vLLM it gives the token states share only.",
     ]
-    sat_t.notes += [memory, "Band: the same rerun at the two log-sds as in the serving-run table.",
+    sat_t.notes += [memory, "Band: the same rerun at the two log-sds (spreads of log length) as in the serving-run table.",
                     "Categories and columns as in the serving-run table."]
     tables = [srv_t, sat_t, _cost_table(wls, cm)]
     if head.sweep:
@@ -540,7 +546,8 @@ def _band_note(spread, head: _Workload) -> str:
 
     rates = " and ".join(f"{r:g}" for r in head.band_rates)
     assumed = LOGNORMAL_SPECS["sharegpt"].output_sigma
-    return (f"Band: token states % from the whole procedure rerun with the ShareGPT-like log-sd of "
+    return (f"Band: token states % from the whole procedure rerun with the ShareGPT-like log-sd (the "
+            f"standard deviation of log length, the lognormal's spread) of "
             f"prompt and output lengths set to {spread[0]:.2f} and {spread[1]:.2f} (assumed {assumed:g}; rates "
             f"{rates} req/s by the same rule), the smallest and largest log-sd of any length in the "
             "public traces (Azure conv, Azure code, Mooncake), since the paper publishes only "

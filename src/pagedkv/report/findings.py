@@ -114,7 +114,20 @@ def _sharing(sec: Section) -> list[str]:
     return [f"Sharing saves {par[0]:.1f}% to {par[2]:.1f}% of blocks for parallel sampling (n = 2 to 6) "
             f"and {beam[0]:.1f}% to {beam[2]:.1f}% for beam search (width 2 to 6) on Alpaca-like "
             f"lengths (paper Fig. 15: {p['parallel/2']}% to {p['parallel/6']}% and {p['beam/2']}% to "
-            f"{p['beam/6']}%)."]
+            f"{p['beam/6']}%)."] + _sharegpt_serving(sec)
+
+
+def _sharegpt_serving(sec: Section) -> list[str]:
+    """The ShareGPT-like serving run against the paper's section 6.3 ranges, where it ran."""
+    s, rng = sec.data["saving"], sec.data["paper_sharegpt_range"]
+    got = {k: s[f"sharegpt/{k}"]["serving"]["saved"] for k in ("parallel/2", "parallel/6", "beam/2", "beam/6")
+           if "serving" in s.get(f"sharegpt/{k}", {})}
+    if len(got) < 4:
+        return []
+    return [f"Served on ShareGPT-like lengths (Poisson arrivals), sharing saves {_pct(got['parallel/2'])} to "
+            f"{_pct(got['parallel/6'])} for parallel sampling and {_pct(got['beam/2'])} to {_pct(got['beam/6'])} "
+            f"for beam search at widths 2 and 6 (paper section 6.3: {rng['parallel'][0]:g}% to "
+            f"{rng['parallel'][1]:g}% and {rng['beam'][0]:g}% to {rng['beam'][1]:g}%)."]
 
 
 def _prefix(sec: Section) -> list[str]:

@@ -127,12 +127,20 @@ def _vnode_table(keys: np.ndarray, seeds: int, sec: Section) -> Table:
     n, m = REPLICAS, len(keys)
     _, per_key = np.unique(keys, return_counts=True)
     floor2 = (n - 1) * float(np.sum(per_key.astype(np.float64) ** 2)) / m**2
-    t = Table(f"Load spread on a ring of {n} replicas: relative standard deviation (RSD) vs virtual nodes k "
-              f"({seeds} ring seeds each)",
+    t = Table(f"Load spread on a ring of {n} replicas: relative standard deviation (RSD) vs k, the virtual "
+              f"nodes per replica ({seeds} ring seeds each)",
               ["k", "theory", "1/sqrt(k)", "share RSD", "p5", "p95", "max/mean share", "requests RSD",
                "predicted", "max/mean requests"],
-              plot={"name": "fleet_vnodes_rsd", "x": "k", "y": ["theory", "share RSD", "requests RSD"], "kind": "line", "logx": True,
-                    "logy": True, "ylabel": "relative standard deviation of load"})
+              plot={"name": "fleet_vnodes_rsd", "x": "k", "y": ["theory", "share RSD", "requests RSD"], "kind": "line",
+                    "logx": True, "logx_base": 10, "logy": True,
+                    "legend": {"theory": "ring share RSD, theory sqrt((n-1)/(nk+1))",
+                               "share RSD": "ring share RSD, measured",
+                               "requests RSD": "requests per replica RSD (Mooncake keys), measured"},
+                    "styles": {"theory": {"linestyle": "--", "marker": "x"}},
+                    "ylabel": "relative standard deviation across replicas (std / mean, log scale)",
+                    "xlabel": "virtual nodes per replica, k (log scale)",
+                    "title": f"Load spread over {n} replicas against the virtual nodes per replica on a "
+                             f"consistent-hash ring ({seeds} ring seeds each)"})
     rows = []
     for k in VNODES:
         r = vnode_rsd(n, k, seeds, keys)
@@ -184,10 +192,16 @@ def _row(res: FleetResult) -> dict:
 
 
 def _eps_table(runs: dict, n: int, sec: Section) -> Table:
-    t = Table(f"Bounded loads: hit rate vs balance as eps varies (ring of {RING_VNODES} vnodes, "
+    t = Table(f"Bounded loads: hit rate vs balance as eps varies (ring of {RING_VNODES} virtual nodes per replica, "
               f"{REPLICAS} replicas, first {n:,} Mooncake requests)",
               ["eps", "hit %", "imbalance", "max/mean requests", "overflow %", "TTFT p50 ms", "TTFT p90 ms"],
-              plot={"name": "fleet_bounded_loads", "x": "eps", "y": ["hit %"], "kind": "bar", "ylabel": "% of prompt tokens from cache"})
+              plot={"name": "fleet_bounded_loads", "x": "eps", "y": ["hit %"], "kind": "bar",
+                    "ylabel": "% of prompt tokens served from a replica's cache",
+                    "xlabel": "eps (a replica's cap is (1 + eps) x the mean load)",
+                    "annotate": "imbalance", "annotate_format": "imbalance {}",
+                    "legend": {"hit %": "prefix hit rate (imbalance, max/mean busy time, above each bar)"},
+                    "title": f"Bounded loads on a consistent-hash ring ({REPLICAS} replicas): prefix hit rate "
+                             "and imbalance against eps"})
     rows = []
     for label, res in runs.items():
         s = _row(res)
@@ -210,6 +224,22 @@ def _eps_table(runs: dict, n: int, sec: Section) -> Table:
     return t
 
 
+# What each router's counters mean, in words (pagedkv.sim.routers).
+ROUTER_STATS = {
+    "affinity": "requests sent to the replica holding their longest cached prefix:",
+    "below_threshold": "requests whose longest cached prefix was too short to count, sent to the least "
+                       "loaded replica:",
+    "guard": "requests the load guard sent elsewhere:",
+    "overflow": "requests passed on from a full replica (overflow):",
+}
+
+
+def _known(value: float, digits: int) -> float | None:
+    """A measured value rounded, or None (shown "-") where nothing was measured (NaN: no prefix
+    was shared by two requests on the slice)."""
+    return None if value is None or math.isnan(value) else round(value, digits)
+
+
 def _router_table(results: list[tuple[str, FleetResult]], n: int, sec: Section) -> Table:
     t = Table(f"Routers on the same slice ({REPLICAS} replicas, first {n:,} Mooncake requests)",
               ["router", "hit %", "imbalance", "TTFT p50 ms", "TTFT p90 ms", "replicas/prefix", "one replica %"],
@@ -223,15 +253,16 @@ def _router_table(results: list[tuple[str, FleetResult]], n: int, sec: Section) 
     for label, res in results:
         s = _row(res)
         t.add(label, round(100 * s["hit_rate"], 2), round(s["imbalance"], 3), round(1e3 * s["ttft_p50_s"], 1),
-              round(1e3 * s["ttft_p90_s"], 1), round(s["replicas_per_prefix_mean"], 2),
-              round(100 * s["prefixes_on_one_replica"], 1))
+              round(1e3 * s["ttft_p90_s"], 1), _known(s["replicas_per_prefix_mean"], 2),
+              _known(100 * s["prefixes_on_one_replica"], 1))
         rows[label] = s
     sec.data["routers"] = rows
     t.notes.append(f"replicas/prefix: distinct replicas the requests sharing their first {DEFAULT_KEY_TOKENS:,} "
-                   "tokens went to (prefixes used twice or more); one replica %: the share kept on one")
+                   "tokens went to (prefixes used twice or more); one replica %: the share kept on one; "
+                   "- where no prefix was used twice on the slice")
     for label, res in results:
         if res.router_stats:
-            stats = ", ".join(f"{k} {v:,}" for k, v in sorted(res.router_stats.items()))
+            stats = ", ".join(f"{ROUTER_STATS.get(k, k)} {v:,}" for k, v in sorted(res.router_stats.items()))
             t.notes.append(f"{label}: {stats}" + (f"; {res.event_bytes / 1e6:.1f} MB of KV events decoded"
                                                   if res.event_bytes else "; KV events handed over in process"
                                                   if label == "precise" else ""))
@@ -262,7 +293,7 @@ def _published_table(rows: dict, sec: Section) -> Table:
     round-robin, labelled as such."""
     t = Table("Published figures (theirs, each from its source) next to the precise router against the ring "
               "here (ours)",
-              ["who", "source", "their setup", "their comparison", "theirs", "ours (table 3's slice)"])
+              ["who", "source", "their setup", "their comparison", "theirs", "ours (the routers table's slice)"])
     compared = []
     have = "precise" in rows and "ring" in rows
     for pub in PUBLISHED:
@@ -333,7 +364,7 @@ def section(opts: ReportOptions) -> Section:
     requests = keyed[:FLEET_REQUESTS[quick]]
     of = f" of the trace's {len(keyed):,}" if KEY_REQUESTS[quick] is None else " of the trace"
     sec.text.append(
-        f"Tables 2 to 4 replay the first {len(requests):,} requests{of} on {REPLICAS} replicas, a slice that keeps "
+        f"The bounded-loads, routers and published-figures tables replay the first {len(requests):,} requests{of} on {REPLICAS} replicas, a slice that keeps "
         "the report quick; pagedkv fleet --num-requests all replays the whole trace, and "
         "benchmarks/fleet_scale.py measures what that costs (docs/design.md, section 2.8).")
     blocks, cost = _fleet_setup(opts)
@@ -369,7 +400,8 @@ def _summary(sec: Section) -> None:
     floor = sec.data["key_floor_rsd"]
     enough = _enough_k(sec)
     routers = sec.data["routers"]
-    text = (f"Measured share RSD falls from {k1['share_rsd_rms']:.3f} at k = 1 to {k1000['share_rsd_rms']:.4f} at "
+    text = (f"Measured share RSD (relative standard deviation of the replicas' shares of the ring) falls "
+            f"from {k1['share_rsd_rms']:.3f} at k = 1 virtual node per replica to {k1000['share_rsd_rms']:.4f} at "
             f"k = 1,000 (theory {k1['theory']:.3f} and {k1000['theory']:.4f}). On the trace's own keys the "
             f"request RSD cannot go below {floor:.3f} (a conversation's turns share a key); from k = {enough:,} "
             f"it is {rows[enough]['requests_rsd_rms']:.3f}, at that floor, so more virtual nodes buy nothing "

@@ -274,7 +274,10 @@ def _hits_table(opts: ReportOptions, path: Path, cost: CostModel) -> tuple[Table
         ["host capacity", "host GiB", "device hits %", "host hits %", "GiB loaded", "GiB offloaded",
          *TTFT_COLUMNS],
         plot={"name": "host_tier_hits", "x": "host capacity", "y": ["device hits %", "host hits %"], "kind": "bar",
-              "ylabel": "% of prompt tokens served from cache", "xlabel": "host tier capacity",
+              "ylabel": "% of prompt tokens served from cache", "annotate_values": True,
+              "xlabel": "host tier capacity (multiple of the device pool)",
+              "legend": {"device hits %": "hit on the device (GPU) cache",
+                         "host hits %": "hit in the host tier, loaded back"},
               "title": f"Prefix hits against host tier capacity, measured on the manager (Mooncake, first "
                        f"{len(requests):,} requests); the modelled TTFT is in the table only"},
     )
@@ -292,7 +295,8 @@ def _hits_table(opts: ReportOptions, path: Path, cost: CostModel) -> tuple[Table
                       "ttft_ms": {name: dict(zip(("p50", "p90", "mean"), v)) for name, v in ttft.items()}}
     t.notes.append(
         f"Replayed: the first {len(requests):,} of the trace's requests in order (its real hash_ids), "
-        f"outputs appended, at most {MAX_RUNNING} resident. Device pool: an H100's KV budget for "
+        f"each request's recorded output appended as unique tokens before it finishes, at most "
+        f"{MAX_RUNNING} resident. Device pool: an H100's KV budget for "
         f"{opts.model} ({GPU_GIB} GiB x {GPU_UTIL} - weights), or 1/{DEVICE_FRACTION} of the "
         f"{sum(need):,} blocks that would never evict if that is less; host tiers write back what "
         f"the device evicts. Hits: share of prompt tokens, host hits counted by the loads each "
@@ -476,9 +480,14 @@ def _serve_table(opts: ReportOptions, path: Path, cost: CostModel) -> tuple[Tabl
     t = Table(
         f"Serving the first {len(reqs):,} Azure conversation requests at their arrival times on "
         f"{blocks:,} blocks of {bs} ({blocks * block_bytes / GIB:.2f} GiB): recompute, offload, swap",
-        ["mode", "tokens/s", "preemptions", "swap-outs", "recomputed tokens", "GiB to host",
-         "GiB to device", "transfer wait s", "TTFT p50 s", "TTFT p90 s", "latency p50 s", "latency p90 s"],
-        plot={"name": "host_tier_serving", "x": "mode", "y": ["TTFT p90 s", "latency p90 s"], "kind": "bar", "ylabel": "seconds"},
+        ["mode", "output tokens/s", "preemptions", "swap-outs", "recomputed tokens", "GiB to host",
+         "GiB to device", "transfer wait s", "TTFT p50 ms", "TTFT p90 ms", "latency p50 s", "latency p90 s"],
+        plot={"name": "host_tier_serving", "x": "mode", "y": ["TTFT p50 ms", "TTFT p90 ms"], "kind": "bar",
+              "ylabel": "time to first token, ms (modelled)", "xlabel": "preemption mode and block layout",
+              "annotate": "latency p90 s", "annotate_format": "latency p90 {} s",
+              "legend": {"TTFT p50 ms": "TTFT p50", "TTFT p90 ms": "TTFT p90"},
+              "title": f"Modelled TTFT serving {len(reqs):,} Azure conversation requests under memory "
+                       f"pressure ({blocks:,} blocks of {bs}): recompute, offload, swap"},
     )
     data = {}
     clipped = 0
@@ -489,9 +498,10 @@ def _serve_table(opts: ReportOptions, path: Path, cost: CostModel) -> tuple[Tabl
         st = alloc.stats
         lat = tail_latency(res, (50, 90))
         clipped = res.clipped
-        t.add(label, res.output_tokens / res.makespan, res.preemptions, st.swap_outs, res.recomputed_tokens,
-              st.blocks_to_host * block_bytes / GIB, st.loaded_blocks * block_bytes / GIB, st.waited_s,
-              lat["ttft_p50"], lat["ttft_p90"], lat["latency_p50"], lat["latency_p90"])
+        t.add(label, round(res.output_tokens / res.makespan, 1), res.preemptions, st.swap_outs,
+              res.recomputed_tokens, st.blocks_to_host * block_bytes / GIB, st.loaded_blocks * block_bytes / GIB,
+              round(st.waited_s, 3), round(1e3 * lat["ttft_p50"], 1), round(1e3 * lat["ttft_p90"], 1),
+              round(lat["latency_p50"], 2), round(lat["latency_p90"], 2))
         data[label] = {"tokens_per_s": res.output_tokens / res.makespan, "preemptions": res.preemptions,
                        "swap_outs": st.swap_outs, "swap_fallbacks": st.swap_fallbacks,
                        "recomputed_tokens": res.recomputed_tokens, "finished": res.finished,
@@ -509,8 +519,9 @@ def _serve_table(opts: ReportOptions, path: Path, cost: CostModel) -> tuple[Tabl
         "'none' (vLLM v0's swap space): evicted prefixes are forgotten, not offloaded.")
     t.notes.append(
         "Transfer wait: what steps waited for loads, swap-outs and offloads beyond their compute "
-        "(pagedkv.sim.tiered's model); link 64 GB/s, 10 us per copy. Preemptions differ between "
-        "modes because transfer time changes when requests arrive relative to memory use.")
+        f"(pagedkv.sim.tiered's model); link {Link().describe()}. Preemptions differ between "
+        "modes because transfer time changes when requests arrive relative to memory use. Times "
+        "are modelled (the cost model's step times), not measured.")
     return t, data
 
 

@@ -41,7 +41,7 @@ __all__ = ["section", "thrash_workload", "mixed_workload", "futile_case", "pingp
 KEY, HEADING = "livelock", "Where the scheduler livelocks"
 WATERMARKS = (0.02, 0.05, 0.10)
 PR_44594 = {"off": 1065, 0.02: 400, 0.05: 187, 0.10: 168}  # their preemptions, for comparison
-LABELS = {"newest_first": "newest first", "no_admit_after_preempt": "no admit after preempt",
+LABELS = {"newest_first": "newest first", "no_admit_after_preempt": "hold admissions",
           "fit_check": "fit check", "skip_unfreeing": "skip unfreeing", "watermark": "watermark 5%"}
 
 
@@ -149,10 +149,15 @@ def _thrash_table(opts: ReportOptions, cost: CostModel) -> tuple[Table, dict]:
     table = Table(
         title=f"(a) thrashing: {num} long-output requests at t = 0 on {blocks:,} blocks of {bs}",
         columns=["guards", "preemptions", "most of one", "preempted 2+ times", "recomputed tokens",
-                 "tokens/s", "TTFT p99 s", "latency p50 s", "latency p99 s"],
-        plot={"name": "livelock_thrashing", "x": "guards", "y": ["preemptions"], "kind": "bar", "ylabel": "preemptions"},
+                 "output tokens/s", "TTFT p99 s", "latency p50 s", "latency p99 s"],
+        plot={"name": "livelock_thrashing", "x": "guards", "y": ["preemptions"], "kind": "bar",
+              "ylabel": "preemptions over the run (count)", "xlabel": "scheduler guards",
+              "legend": {"preemptions": "preemptions (recompute)"},
+              "title": f"Recompute thrashing: preemptions of {num} long-output requests on {blocks:,} "
+                       f"blocks of {bs}, by admission guard"},
     )
-    rows = [("vLLM v1 (no watermark)", Guards()), ("no admit rule off", Guards(no_admit_after_preempt=False))]
+    rows = [("vLLM v1 (no watermark)", Guards()), ("vLLM v1, admissions not held after a preemption",
+                                             Guards(no_admit_after_preempt=False))]
     rows += [(f"watermark {w:.0%}", Guards(watermark=w)) for w in WATERMARKS]
     data = {}
     for label, guards in rows:
@@ -164,10 +169,10 @@ def _thrash_table(opts: ReportOptions, cost: CostModel) -> tuple[Table, dict]:
         data[label] = {"preemptions": res.preemptions, "recomputed_tokens": res.recomputed_tokens,
                        "most_of_one": _most(res), "completed": res.completed}
     p99 = [row[-1] for row in table.rows if row[-1] is not None]
-    rates = table.column("tokens/s")
+    rates = table.column("output tokens/s")
     table.notes.append(
         f"Latency p99 spans {min(p99):.2f}-{max(p99):.2f} s and throughput {min(rates):,.0f}-{max(rates):,.0f} "
-        "tokens/s across these rows: under the cost model a recomputed prompt is compute-bound and "
+        "output tokens/s across these rows: under the cost model a recomputed prompt is compute-bound and "
         "cheap next to the memory-bound decode steps, so what the guards save here is preemptions "
         "and recomputed tokens.")
     prompts = [r.prompt_len for r in reqs]
@@ -250,7 +255,13 @@ def _ablation_table(opts: ReportOptions, cost: CostModel) -> tuple[Table, dict]:
         columns=["guards", "preemptions", "futile", "recomputed tokens", "discarded tokens",
                  "latency p50 s", "latency p90 s", "latency p99 s", "TTFT p99 s", "finished", "outcome"],
         plot={"name": "livelock_guards", "x": "guards", "y": ["preemptions"], "kind": "bar",
-              "ylabel": "preemptions (requests finished written on each bar)", "annotate": "finished"},
+              "ylabel": "preemptions over the run (count)", "annotate": "finished",
+              "xlabel": "guard setting",
+              "highlight": {"column": "outcome", "prefix": "livelock", "colour": "#d62728",
+                            "label": "livelocked run (cut; preemptions until the cut)",
+                            "other": "completed run"},
+              "title": f"Preemptions with each scheduler guard on and off ({len(reqs)} requests on "
+                       f"{blocks:,} blocks of {bs}); requests finished above each bar"},
     )
     data = {}
     for label, guards in _ablation(opts):
@@ -272,8 +283,12 @@ def _ablation_table(opts: ReportOptions, cost: CostModel) -> tuple[Table, dict]:
         "sample at a time but not all 8 together.")
     table.notes.append(_ablation_summary(data))
     table.notes.append(
-        "Guards: newest first, no admit after preempt and fit check are vLLM v1's defaults; skip "
-        "unfreeing and the watermark are off in vLLM v1 (v0 kept a 1% watermark).")
+        "Guards: newest first (preempt the most recently admitted request), hold admissions (a step "
+        "that preempted admits no waiting request), fit check (refuse at start-up a request the "
+        "whole cache cannot hold), skip unfreeing (pass over a victim whose blocks are all shared, "
+        "as freeing it frees nothing) and a watermark (admit only while 5% of blocks stay free). "
+        "Newest first, hold admissions and fit check are vLLM v1's defaults; skip unfreeing and the "
+        "watermark are off in vLLM v1 (v0 kept a 1% watermark).")
     return table, data
 
 

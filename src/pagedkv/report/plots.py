@@ -29,7 +29,15 @@ never show a number the table does not. The hint (see :class:`~pagedkv.tables.Ta
 - ``label_last`` (lines): a dotted vertical line at the last x, labelled ``"<label>: <x>"``
   (the trace's end);
 - ``hline``: ``[column, label]``, the column's (first present) value drawn as a dashed line
-  across the plot (an ideal, a bound);
+  across the plot (an ideal, a bound); ``[number, label]`` draws that number (a stated tolerance);
+- ``vline``: ``[column or number, label]``, a dotted vertical line at that x (lines only; a
+  column's first present value), named in the legend (a capacity rate);
+- ``y2`` (lines): columns drawn on a second y axis at the right, labelled ``ylabel2``, dashed, in
+  the same legend: a quantity in other units never shares the left axis;
+- ``points`` (lines): markers only, no line between them (categories on x, not a trend);
+- ``highlight`` (bars): ``{"column": c, "prefix": p, "colour": ..., "label": ..., "other": ...}``,
+  bars whose ``c`` starts with ``p`` drawn in ``colour`` and named ``label`` in the legend, the
+  others named ``other`` (livelocked runs apart from completed ones);
 - ``logx`` (``logx_base``, default 2; ticks in plain numbers), ``logy``, ``ymin`` (e.g. 0: the axis starts there), ``ymax``, ``ylabel``, ``xlabel``, ``title``
   (default: the table's title).
 """
@@ -142,16 +150,30 @@ def _group_labels(ax, groups, labels=()) -> None:
                     textcoords="offset points", ha="center", va="top", fontsize=8, fontweight="bold")
 
 
-def _draw_bars(ax, table: Table, hint: dict, x: list) -> None:
+def _draw_bars(ax, table: Table, hint: dict, x: list) -> dict:
+    extra: dict = {}
     ys = hint["y"]
     centres, labels, groups = _group_positions(x, hint)
     width = 0.8 / len(ys)
     band = hint.get("band", {})
     fmt = hint.get("annotate_format", "{}")
+    tops: list[float] = []
     for i, name in enumerate(ys):
         pos = [c - 0.4 + width * (i + 0.5) for c in centres]
         vals = _numbers(table, name)
-        bars = ax.bar(pos, vals, width=width, label=hint.get("legend", {}).get(name, name), zorder=2)
+        label = hint.get("legend", {}).get(name, name)
+        light = hint.get("highlight") if i == 0 else None
+        if light:  # some bars apart (livelocked runs): a colour and a legend entry each
+            marked = [str(v).startswith(light["prefix"]) for v in table.column(light["column"])]
+            colours = [light.get("colour", "#d62728") if m else "#1f77b4" for m in marked]
+            bars = ax.bar(pos, vals, width=width, color=colours, zorder=2)
+            from matplotlib.patches import Patch
+
+            handles = [Patch(color="#1f77b4", label=light.get("other", label)),
+                       Patch(color=light.get("colour", "#d62728"), label=light["label"])]
+            extra["handles"] = handles
+        else:
+            bars = ax.bar(pos, vals, width=width, label=label, zorder=2)
         if name in band:
             lo, hi = band[name]
             _band(ax, pos, vals, _numbers(table, lo), _numbers(table, hi), label=hint.get("band_label"))
@@ -163,11 +185,13 @@ def _draw_bars(ax, table: Table, hint: dict, x: list) -> None:
                 if not math.isnan(v):
                     ax.annotate(f"{v:,.4g}", (rect.get_x() + rect.get_width() / 2, rect.get_height()),
                                 xytext=(0, 2), textcoords="offset points", ha="center", fontsize=6)
-        if i == 0 and hint.get("annotate"):
-            for rect, text in zip(bars, table.column(hint["annotate"])):
-                if text is not None:
-                    ax.annotate(fmt.format(text), (rect.get_x() + rect.get_width() / 2, rect.get_height()),
-                                xytext=(0, 3), textcoords="offset points", ha="center", fontsize=7)
+        tops = [t if math.isnan(v) else max(t, v) for t, v in zip(tops, vals)] if i else [
+            0.0 if math.isnan(v) else v for v in vals]
+    if hint.get("annotate"):  # one label per group, above its tallest bar
+        for centre, top, text in zip(centres, tops, table.column(hint["annotate"])):
+            if text is not None:
+                ax.annotate(fmt.format(text), (centre, top), xytext=(0, 3), textcoords="offset points",
+                            ha="center", fontsize=7)
     if hint.get("marker"):
         _marker(ax, [c - 0.4 + width / 2 for c in centres] if len(ys) > 1 else centres,
                 _numbers(table, hint["marker"]), width, hint.get("marker_label", hint["marker"]))
@@ -176,6 +200,7 @@ def _draw_bars(ax, table: Table, hint: dict, x: list) -> None:
         _ref_range(ax, centres, _numbers(table, lo), _numbers(table, hi), 0.45, hint.get("ref_label", f"{lo} .. {hi}"))
     ax.set_xticks(centres, labels, fontsize=7)
     _group_labels(ax, groups, labels)
+    return extra
 
 
 def _draw_stacked(ax, table: Table, hint: dict, x: list) -> None:
@@ -215,10 +240,12 @@ def _draw_stacked(ax, table: Table, hint: dict, x: list) -> None:
     ax.set_ylim(0, 100)
 
 
-def _draw_lines(ax, table: Table, hint: dict, x: list) -> None:
+def _draw_lines(ax, table: Table, hint: dict, x: list) -> dict:
+    extra: dict = {}
     for name in hint["y"]:
         vals = _numbers(table, name)
-        style = {"marker": "o", **hint.get("styles", {}).get(name, {})}
+        style = {"marker": "o", **({"linestyle": "none", "markersize": 8} if hint.get("points") else {}),
+                 **hint.get("styles", {}).get(name, {})}
         ax.plot(x, vals, label=hint.get("legend", {}).get(name, name), zorder=3, **style)
         if name in hint.get("band", {}):
             lo, hi = hint["band"][name]
@@ -229,6 +256,26 @@ def _draw_lines(ax, table: Table, hint: dict, x: list) -> None:
         if pts:
             ax.scatter(*zip(*pts), marker="D", s=50, color="black", zorder=5,
                        label=hint.get("marker_label", hint["marker"]))
+    if x and all(isinstance(v, str) for v in x):  # categories: labels wrapped, room at both ends
+        ax.set_xticks(range(len(x)), ["\n".join(textwrap.wrap(_short(v, hint), 24, break_long_words=False))
+                                      for v in x], fontsize=7)
+        ax.set_xlim(-0.5, len(x) - 0.5)
+    if hint.get("y2"):  # other units on their own axis, at the right
+        right = ax.twinx()
+        colours = iter(("#2ca02c", "#9467bd", "#8c564b"))
+        for name in hint["y2"]:
+            right.plot(x, _numbers(table, name), linestyle="--", marker="s", color=next(colours),
+                       label=hint.get("legend", {}).get(name, name) + " (right axis)", zorder=3)
+        right.set_ylabel(hint.get("ylabel2", ""))
+        if hint.get("ymax2") is not None:
+            right.set_ylim(0, hint["ymax2"])
+        extra["twin"] = right
+    if hint.get("vline"):
+        col, label = hint["vline"]
+        at = col if isinstance(col, (int, float)) else next(
+            (v for v in _numbers(table, col) if not math.isnan(v)), None)
+        if at is not None:
+            ax.axvline(at, color="grey", linestyle=":", linewidth=1.5, label=f"{label} ({fmt(at)})", zorder=1)
     if hint.get("label_last") and x:  # name the last point (a trace's end) on the axis
         ax.axvline(x[-1], color="grey", linestyle=":", linewidth=1, zorder=1)
         ax.annotate(f"{hint['label_last']}: {fmt(x[-1])}", (x[-1], 0), xycoords=("data", "axes fraction"),
@@ -238,6 +285,7 @@ def _draw_lines(ax, table: Table, hint: dict, x: list) -> None:
 
         ax.set_xscale("log", base=hint.get("logx_base", 2))
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,g}"))  # 1,024, not 2^10
+    return extra
 
 
 def plot_table(table: Table, out_dir: Path) -> Path | None:
@@ -257,12 +305,15 @@ def plot_table(table: Table, out_dir: Path) -> Path | None:
         x = [", ".join(f"{c}={fmt(v)}" for c, v in zip(cols, vals)) for vals in zip(*(table.column(c) for c in cols))]
     kind = hint.get("kind", "line")
     fig, ax = plt.subplots(figsize=(8, 4.8), dpi=110)
-    {"bar": _draw_bars, "stacked": _draw_stacked, "line": _draw_lines}[kind](ax, table, hint, x)
+    extra = {"bar": _draw_bars, "stacked": _draw_stacked, "line": _draw_lines}[kind](ax, table, hint, x) or {}
     if hint.get("hline"):
         col, label = hint["hline"]
-        vals = [v for v in _numbers(table, col) if not math.isnan(v)]
-        if vals:
-            ax.axhline(vals[0], color="black", linestyle="--", linewidth=1, label=f"{label} ({vals[0]:.1f})")
+        if isinstance(col, (int, float)):
+            ax.axhline(col, color="black", linestyle="--", linewidth=1, label=label)
+        else:
+            vals = [v for v in _numbers(table, col) if not math.isnan(v)]
+            if vals:
+                ax.axhline(vals[0], color="black", linestyle="--", linewidth=1, label=f"{label} ({vals[0]:.1f})")
     if hint.get("logy"):
         ax.set_yscale("log")
     if hint.get("ymin") is not None:
@@ -273,11 +324,20 @@ def plot_table(table: Table, out_dir: Path) -> Path | None:
     ax.set_ylabel(hint.get("ylabel", ""))
     ax.set_title("\n".join(textwrap.wrap(hint.get("title", table.title), 95)), fontsize=9)
     ax.grid(alpha=0.3, zorder=0)
-    outside = kind == "stacked"
-    if outside:
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    outside = kind == "stacked" or bool(hint.get("legend_outside"))
+    handles, labels = ax.get_legend_handles_labels()
+    twin = extra.get("twin")
+    if twin is not None:
+        more, names = twin.get_legend_handles_labels()
+        handles, labels = handles + more, labels + names
+    if extra.get("handles"):
+        handles, labels = extra["handles"] + handles, [h.get_label() for h in extra["handles"]] + labels
+    if twin is not None:  # both y axes carry labels: the legend goes under the plot
+        ax.legend(handles, labels, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    elif outside:
+        ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     else:
-        ax.legend(fontsize=7)
+        ax.legend(handles, labels, fontsize=7)
     if hint.get("footnote"):  # under the tick labels, the group names and the axis label
         lines = max((t.get_text().count("\n") + 1 for t in ax.get_xticklabels()), default=1)
         below = 10 + 9 * lines + (14 if any(x and " / " in str(x) for x in x) else 0) + (14 if ax.get_xlabel() else 0)

@@ -318,7 +318,8 @@ def _whole_trace(requests: list[Request], records, opts: ReportOptions, data: di
     t.notes += [
         f"capacity as a fraction of {never:,} blocks, enough to never evict; GiB = blocks x {block} tokens "
         f"x {bpt:,} KV bytes per token of {opts.model}; at most {MAX_RUNNING} sequences resident, "
-        "finished in arrival order; outputs appended",
+        "finished in arrival order; each request's output (as many unique tokens as the trace records) "
+        "is appended to its sequence before it finishes, so generated blocks take cache space too",
         f"replayed with each {block}-token block encoded in two tokens of a block-size-2 manager (a "
         f"test checks it matches a token-by-token replay at block size {block} exactly); hash "
         f"{HASH_ALGO!r} (sha256 gives the same hits)",

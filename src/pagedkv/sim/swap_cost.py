@@ -89,7 +89,7 @@ class Link:
         return copies * self.latency_s + nbytes / self.bandwidth
 
     def describe(self) -> str:
-        return f"{self.bandwidth / 1e9:.0f} GB/s per direction, {self.latency_s * 1e6:.3g} us per copy"
+        return f"{self.bandwidth / 1e9:.0f} GB/s per direction, {self.latency_s * 1e6:.3g} µs per copy"
 
 
 @dataclass(frozen=True)
