@@ -390,6 +390,7 @@ def _bench_host_tier(quick: bool) -> list[dict]:
 
     ms = KVCacheManager(num_blocks=1024, block_size=BLOCK_SIZE, host_blocks=1024)
     ms.add_sequence("s", _tokens(rng, 2048))
+    ms.take_transfers()  # the admission's step runs: its K/V exists, so the sequence may swap
 
     def swap_round():
         ms.swap_out("s")
