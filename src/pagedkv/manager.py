@@ -238,8 +238,11 @@ class KVCacheManager:
         self._write_through = tiered and enable_prefix_caching and host_write_policy == "write-through"
         # With a host tier: the sequences given positions or blocks since the last
         # take_transfers() (the step's first drain). Their K/V is written only after that
-        # drain, so swap_out refuses them. None without a tier: the hot paths pay one test.
+        # drain, so swap_out refuses them. None without a tier: the hot paths pay one test, and
+        # the per-token append_token none (a tiered manager's instance uses a marking wrapper).
         self._busy: set | None = set() if tiered else None
+        if tiered:
+            self.append_token = self._append_token_marking
         self._swapped = 0
         self._bs = block_size
         # Slot offsets within a block, for turning a run of blocks into slots in one broadcast;
@@ -263,11 +266,22 @@ class KVCacheManager:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         del state["_digest"]  # a closure; rebuilt from the hasher
+        state.pop("append_token", None)  # a bound method of this instance; rebound below
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._digest = self._hasher.digest
+        if self._busy is not None:
+            self.append_token = self._append_token_marking
+
+    def _append_token_marking(self, seq_id: Hashable, token_id: int) -> int:
+        """``append_token`` of a manager with a host tier: the sequence was given a position
+        this step, so ``swap_out`` refuses it until the next ``take_transfers()``. Bound on the
+        instance, so that a manager without a tier pays nothing per token."""
+        slot = KVCacheManager.append_token(self, seq_id, token_id)
+        self._busy.add(self._seqs[seq_id])
+        return slot
 
     # ---- properties and lookups --------------------------------------------------------------
 
@@ -640,8 +654,6 @@ class KVCacheManager:
                 raise ValueError(self._not_ready(seq_id, s, "append to"))
             slot = self._slot_slow(s)
         s.tokens.append(token_id)
-        if self._busy is not None:
-            self._busy.add(s)
         nxt = slot + 1
         if nxt % self._bs:
             s.nxt = nxt
