@@ -306,3 +306,21 @@ def test_a_swapped_out_sequence_with_no_private_block_also_blocks_reset():
     assert m.num_swapped_blocks("b") == 0
     m.free("a")
     assert m.reset_prefix_cache() is False
+
+
+def test_a_pickled_tiered_manager_still_refuses_a_swap_after_a_fast_path_append():
+    """append_token of a tiered manager is an instance-bound wrapper (the untiered per-token
+    path pays nothing); a pickled copy must rebind it, or swap_out would accept unwritten K/V."""
+    import pickle
+
+    m = KVCacheManager(16, 4, host_blocks=8)
+    m.add_sequence("s", [1, 2, 3, 4, 5])
+    m.take_transfers()
+    twin = pickle.loads(pickle.dumps(m))
+    for mgr in (m, twin):
+        mgr.append_token("s", 9)  # into its own partial block: the fast path
+        with pytest.raises(ValueError, match="take_transfers"):
+            mgr.swap_out("s")
+        mgr.take_transfers()
+        mgr.swap_out("s")
+        mgr.check_invariants()
