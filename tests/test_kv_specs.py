@@ -3,7 +3,6 @@ hybrid sizing built on them: which positions a layer reads, which blocks it keep
 uniform allocator holds beyond that for the models people serve."""
 from __future__ import annotations
 
-import argparse
 
 import numpy as np
 import pytest
@@ -12,9 +11,10 @@ from hypothesis import strategies as st
 
 import pagedkv
 from pagedkv import ChunkedLocalAttention, FullAttention, SlidingWindow
-from pagedkv.commands import check_model, size as size_cmd
+from pagedkv.commands import check_model
 from pagedkv.commands import UsageError
 from pagedkv.kv_specs import check_groups
+from test_sizing import _run as _size  # the size command with captured output
 from pagedkv.sim.sizing import (attention_groups, equal_page_groups, get_model, group_kv, kv_size,
                                 layer_attention_from_config, request_kv_bytes, spec_from_config)
 
@@ -156,14 +156,6 @@ def test_group_bytes_add_up_to_the_uniform_size():
     assert groups[1].blocks_held == 256
     uniform = get_model("Llama-3.1-8B")
     assert request_kv_bytes(uniform, 1000) == request_kv_bytes(uniform, 1000, grouped=False)
-
-
-def _size(argv, capsys):
-    p = argparse.ArgumentParser()
-    size_cmd.add_arguments(p)
-    rc = size_cmd.run(p.parse_args(argv))
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 def test_size_prints_each_group_and_requests_that_fit(capsys):

@@ -159,10 +159,6 @@ class BlockPool:
         """True when the block holds no reference (clean, never used, or cached-free)."""
         return self.refcount(block) == 0
 
-    def count_free(self, blocks: Iterable[int]) -> int:
-        """How many of ``blocks`` (distinct ids) are free now."""
-        return sum(1 for b in blocks if self.refcount(b) == 0)
-
     def cached_lru(self) -> list[int]:
         """Cached-free blocks, least recently freed (next to be evicted) first."""
         return list(self._lru)
