@@ -39,7 +39,9 @@ import numpy as np
 from .eventlog import EventLog
 from .hashing import MAX_TOKEN_ID, BlockHasher, BlockKey, ExtraKeys, token_bytes
 from .host_tier import WRITE_POLICIES, HostTier
-from .pool import MAX_BLOCKS, BlockPool, as_int
+from .checks import as_int
+from .checks import require as _require
+from .pool import MAX_BLOCKS, BlockPool
 from .prefix_cache import PrefixCache
 from .types import CopyOp, OutOfBlocks, PrefixHit, Transfer, Usage
 
@@ -1518,8 +1520,3 @@ def _as_token(token: Any) -> int:
     if not 0 <= token <= MAX_TOKEN_ID:
         raise ValueError(f"token id {token} outside [0, {MAX_TOKEN_ID}]")
     return token
-
-
-def _require(cond: bool, msg: str) -> None:
-    if not cond:
-        raise AssertionError(msg)

@@ -38,11 +38,12 @@ Engines that keep their own block tables can use the pool alone::
 """
 from __future__ import annotations
 
-import operator
 from collections import OrderedDict, deque
 from itertools import islice, repeat
 from typing import Callable, Collection, Hashable, Iterable, Optional, Sequence
 
+from .checks import as_int
+from .checks import require as _require
 from .types import OutOfBlocks
 
 __all__ = ["BlockPool", "MAX_BLOCKS"]
@@ -511,20 +512,3 @@ class BlockPool:
 def _consume(iterator) -> None:
     """Run an iterator to its end in C (``deque(maxlen=0)``): a loop with no bytecode per item."""
     deque(iterator, maxlen=0)
-
-
-def as_int(value, what: str) -> int:
-    """``value`` as a Python int (numpy integers welcome); ValueError for bools and non-integers."""
-    if type(value) is int:
-        return value
-    if isinstance(value, bool) or isinstance(value, float) or type(value).__name__ == "bool_":
-        raise ValueError(f"{what} must be an int, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise ValueError(f"{what} must be an int, got {type(value).__name__}") from None
-
-
-def _require(cond: bool, msg: str) -> None:
-    if not cond:
-        raise AssertionError(msg)

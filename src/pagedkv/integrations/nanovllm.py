@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..manager import KVCacheManager
-from ..pool import as_int
+from ..checks import as_int
 
 __all__ = ["BlockManager"]
 
