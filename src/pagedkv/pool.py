@@ -96,11 +96,6 @@ class BlockPool:
         self.evictions = 0
         self._check_args = check_args
 
-    @property
-    def check_args(self) -> bool:
-        """Whether batch calls validate their block ids (see the module docstring)."""
-        return self._check_args
-
     # ---- sizes -------------------------------------------------------------------------------
 
     @property
@@ -155,14 +150,6 @@ class BlockPool:
         """How many of ``blocks`` (distinct ids) are cached-free: the hits an admission would
         revive, which then no longer count as free. One C-level pass."""
         return sum(map(self._lru.__contains__, blocks))
-
-    def is_free(self, block: int) -> bool:
-        """True when the block holds no reference (clean, never used, or cached-free)."""
-        return self.refcount(block) == 0
-
-    def cached_lru(self) -> list[int]:
-        """Cached-free blocks, least recently freed (next to be evicted) first."""
-        return list(self._lru)
 
     # ---- allocation --------------------------------------------------------------------------
 

@@ -47,7 +47,7 @@ class PrefixCache:
     """Maps full-block hashes to physical blocks held (in use or cached-free) by ``pool``."""
 
     __slots__ = ("_pool", "_map", "_log", "_content", "medium", "query_tokens", "hit_tokens",
-                 "_twins", "_twin_hash")
+                 "_twins", "_twin_hash", "_forward")
 
     def __init__(self, pool: BlockPool, log: EventLog | None = None, medium: str = "GPU",
                  keep_content: bool = False, track_twins: bool = False) -> None:
@@ -66,20 +66,20 @@ class PrefixCache:
         self.medium = medium
         self.query_tokens = 0
         self.hit_tokens = 0
-        pool.on_evict_many = self.evicted
+        self._forward: Callable[[list, list, list | None], Any] | None = None
+        pool.on_evict_many = self.evicted  # the pool's eviction hook, wired here only
 
-    @property
-    def events_enabled(self) -> bool:
-        return self._log is not None
-
-    def __len__(self) -> int:
-        return len(self._map)
+    def forward_evictions(self, listener: Callable[[list, list, list | None], Any] | None) -> None:
+        """After this cache forgets blocks its pool evicted, call ``listener(blocks, hashes,
+        contents)`` (contents None unless kept): how a host tier learns what to offload, so that
+        the pool's hook stays this cache's. None stops forwarding."""
+        if listener is not None and not callable(listener):
+            raise ValueError(f"listener must be a callable or None, got {type(listener).__name__}")
+        self._forward = listener
 
     def get(self, block_hash: Hashable) -> int | None:
+        """The block mapped under ``block_hash``, or None."""
         return self._map.get(block_hash)
-
-    def items(self):
-        return self._map.items()
 
     # ---- lookups -----------------------------------------------------------------------------
 
@@ -337,6 +337,8 @@ class PrefixCache:
                 removed = [h for h in keys if h not in kept]
         if self._log is not None and removed:
             self._log.removed(removed, self.medium)
+        if self._forward is not None:
+            self._forward(blocks, keys, contents)
         return contents
 
     def clear(self) -> None:
