@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import Counter, OrderedDict
+from collections import Counter
 from itertools import chain
 from operator import itemgetter
 from typing import Any, Hashable, Iterable, Sequence
@@ -34,7 +34,7 @@ from typing import Any, Hashable, Iterable, Sequence
 import numpy as np
 
 from .eventlog import EventLog
-from .hashing import MAX_TOKEN_ID, BlockHasher, BlockKey, ExtraKeys, token_bytes
+from .hashing import MAX_TOKEN_ID, BlockHasher, BlockKey, ExtraKeys, HashMemo, token_bytes
 from .host_tier import WRITE_POLICIES, HostTier
 from .checks import as_int
 from .checks import require as _require
@@ -43,7 +43,8 @@ from .pool import MAX_BLOCKS, BlockPool
 from .prefix_cache import PrefixCache
 from .sequences import Seq as _Seq
 from .sequences import as_token as _as_token
-from .sequences import block_tables, check_tables, flashinfer_layout, logical_usage, not_ready, slots_of
+from .sequences import (block_tables, blocks_for_step, check_hashes, check_tables, flashinfer_layout, logical_usage,
+                        not_ready, slots_of)
 from .sequences import count as _count
 from .sequences import id_sequence as _id_sequence
 from .sequences import known as _known
@@ -177,12 +178,8 @@ class KVCacheManager:
         self._unready = 0  # sequences mid-prefill or holding drafts: only they need checks
         # Pending copy-on-write copies and every allocation made while some are pending.
         self._cq = CopyQueue(self._pool)
-        # (extra keys' identity or None, sha256 of the prompt's bytes) -> its full blocks' chained
-        # hashes, computed by lookup and taken by the admission of the same prompt: a scheduler
-        # that looks a waiting request up every step hashes its prompt once, as vLLM keeps hashes
-        # on the request.
-        self._hash_memo: OrderedDict[tuple, list] = OrderedDict()
-        self._memo_blocks = 0  # hashes held by the memo's entries
+        # Prompts' hashes computed by lookup, for the admission of the same prompt (see HashMemo).
+        self._hash_memo = HashMemo(HASH_MEMO_ENTRIES, HASH_MEMO_BLOCKS)
         self._cow_copies = 0
         self._forks = 0
 
@@ -383,14 +380,10 @@ class KVCacheManager:
             key = (keys.ident if keys is not None else None, hashlib.sha256(data).digest())
             hashes = memo.get(key)
             if hashes is not None:
-                memo.move_to_end(key)
                 return hashes if remember else hashes.copy()
         hashes = self._hasher.chain_keyed(self._root, data, 4 * self._bs, 0, nfull, keys)
-        if remember and nfull <= HASH_MEMO_BLOCKS:
-            memo[key] = hashes
-            self._memo_blocks += nfull
-            while len(memo) > HASH_MEMO_ENTRIES or self._memo_blocks > HASH_MEMO_BLOCKS:
-                self._memo_blocks -= len(memo.popitem(last=False)[1])
+        if remember:
+            memo.put(key, hashes)
         return hashes
 
     def add_sequence(self, seq_id: Hashable, prompt_ids: Sequence[int], cache_salt: Any = None,
@@ -669,7 +662,7 @@ class KVCacheManager:
                 if s.unready:
                     raise ValueError(not_ready(sid, s, "append to"))
         if self._pool.num_free < n or self._cq.sources:  # only then can the batch fail: count
-            fresh, copies = self._blocks_for_step(ss)
+            fresh, copies = blocks_for_step(ss, self._bs, self._pool.refcount)
             self._cq.check_room(fresh, copies, "a decode step")
         if self._busy is not None:
             self._busy.update(ss)
@@ -725,27 +718,6 @@ class KVCacheManager:
             b = self._cq.fresh_one()
             s.add_block(b)
         return b * bs + off
-
-    def _blocks_for_step(self, ss: Sequence[_Seq]) -> tuple[int, int]:
-        """Fresh blocks and copies one decode step of ``ss`` takes.
-
-        A full last block needs a fresh block. ``k`` batch members sharing a partial block held
-        ``r`` times copy ``min(k, r - 1)`` times: each writer copies while another holder
-        remains, the last holder writes in place.
-        """
-        bs, refcount = self._bs, self._pool.refcount
-        fresh = 0
-        sharers: dict[int, int] = {}
-        for s in ss:
-            if s.nxt >= 0:  # a fast-path slot: private room in its last block, nothing to take
-                continue
-            if len(s.tokens) % bs:
-                b = s.table[-1]
-                if refcount(b) > 1:
-                    sharers[b] = sharers.get(b, 0) + 1
-            else:
-                fresh += 1
-        return fresh, sum(min(k, refcount(b) - 1) for b, k in sharers.items())
 
     def _copy_on_write(self, s: _Seq, old: int) -> int:
         """Give ``s`` a private copy of its shared partial last block; returns the new block.
@@ -1115,23 +1087,5 @@ class KVCacheManager:
             _require(not keys, "blocks carry keys with prefix caching off")
             return
         cache.check_invariants(self._rehash)
-        twins = cache.twins()
-        held_twins = {}
-        for sid, s in self._seqs.items():
-            nfull = (len(s.tokens) - s.drafts) // bs
-            data = _le_bytes(s.tokens[: nfull * bs])
-            expect = self._hasher.chain_keyed(self._root, data, 4 * bs, 0, nfull, s.keys)
-            _require(s.hashes == expect, f"sequence {sid!r}: stored hashes are not its tokens' hashes")
-            offered = (s.computed - s.drafts) // bs
-            for i, b in enumerate(s.table):
-                if b < 0:
-                    continue
-                k = keys.get(b)
-                if i >= offered:
-                    _require(k is None, f"block {b} of {sid!r} is published before it is scheduled")
-                elif k is None:  # findable all the same: a twin of the block its hash maps
-                    _require(twins.get(b) == expect[i], f"full block {b} of {sid!r} is not findable")
-                    held_twins[b] = expect[i]
-                else:
-                    _require(k == expect[i], f"block {b} of {sid!r} is mapped under another content's hash")
-        _require(held_twins == twins, "a remembered twin is no live full block of that content")
+        chain = lambda data, nfull, keys: self._hasher.chain_keyed(self._root, data, 4 * bs, 0, nfull, keys)  # noqa: E731
+        check_hashes(self._seqs, keys, cache.twins(), chain, bs)

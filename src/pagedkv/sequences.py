@@ -23,7 +23,7 @@ from .hashing import MAX_TOKEN_ID, ExtraKeys
 
 __all__ = ["Seq", "token_array", "id_sequence", "le_bytes", "known", "count", "as_token", "slots_of",
            "not_ready", "block_tables", "flashinfer_layout", "scheduled_tables", "logical_usage",
-           "check_tables"]
+           "check_tables", "blocks_for_step", "check_hashes"]
 
 _BIG_ENDIAN = sys.byteorder == "big"
 
@@ -338,3 +338,50 @@ def check_tables(seqs: dict, refcount, bs: int) -> tuple[int, int, dict[int, int
         for b in s.table[: s.computed // bs]:
             require(b not in partial_fill, f"block {b} is full in {sid!r} but partial elsewhere")
     return unready, swapped, host_refs
+
+
+def blocks_for_step(ss: Iterable[Seq], bs: int, refcount) -> tuple[int, int]:
+    """Fresh blocks and copies one decode step of ``ss`` takes.
+
+    A full last block needs a fresh block. ``k`` batch members sharing a partial block held
+    ``r`` times copy ``min(k, r - 1)`` times: each writer copies while another holder remains,
+    the last holder writes in place. Example: 3 forks of one partial block (held 3 times) all
+    appending -> (0, 2).
+    """
+    fresh = 0
+    sharers: dict[int, int] = {}
+    for s in ss:
+        if s.nxt >= 0:  # a fast-path slot: private room in its last block, nothing to take
+            continue
+        if len(s.tokens) % bs:
+            b = s.table[-1]
+            if refcount(b) > 1:
+                sharers[b] = sharers.get(b, 0) + 1
+        else:
+            fresh += 1
+    return fresh, sum(min(k, refcount(b) - 1) for b, k in sharers.items())
+
+
+def check_hashes(seqs: dict, keyed: dict, twins: dict, chain, bs: int) -> None:
+    """Every sequence's stored hashes are its non-draft tokens' chained hashes (``chain(data,
+    nfull, keys)`` recomputes them); only fully scheduled, non-draft blocks carry a hash
+    (``keyed``: block -> hash), each the hash of its own content; a full block without one is a
+    remembered twin (``twins``: block -> hash), and every twin is such a block."""
+    held_twins = {}
+    for sid, s in seqs.items():
+        nfull = (len(s.tokens) - s.drafts) // bs
+        expect = chain(le_bytes(s.tokens[: nfull * bs]), nfull, s.keys)
+        require(s.hashes == expect, f"sequence {sid!r}: stored hashes are not its tokens' hashes")
+        offered = (s.computed - s.drafts) // bs
+        for i, b in enumerate(s.table):
+            if b < 0:
+                continue
+            k = keyed.get(b)
+            if i >= offered:
+                require(k is None, f"block {b} of {sid!r} is published before it is scheduled")
+            elif k is None:  # findable all the same: a twin of the block its hash maps
+                require(twins.get(b) == expect[i], f"full block {b} of {sid!r} is not findable")
+                held_twins[b] = expect[i]
+            else:
+                require(k == expect[i], f"block {b} of {sid!r} is mapped under another content's hash")
+    require(held_twins == twins, "a remembered twin is no live full block of that content")
