@@ -103,6 +103,18 @@ class HostTier:
     def is_store_source(self, device_block: int) -> bool:
         return device_block in self._store_src
 
+    def pending_on(self, device_blocks: Sequence[int]) -> bool:
+        """Whether a pending transfer reads or fills any of ``device_blocks`` (a sequence whose
+        blocks are such cannot be swapped out before the drain)."""
+        load, store = self._load_dst, self._store_src
+        return any(d in load or d in store for d in device_blocks)
+
+    def usage_fields(self) -> dict:
+        """The host tier's part of :class:`~pagedkv.types.Usage`, from its own counters."""
+        return dict(host_blocks=self.num_blocks, host_used_blocks=self.num_used,
+                    host_cached_blocks=self.num_cached, host_hit_tokens=self.hit_tokens,
+                    transfers_to_host=self.to_host_count, transfers_to_device=self.to_device_count)
+
     # ---- reachability ------------------------------------------------------------------------
 
     def _known(self, parent: Hashable) -> bool:
@@ -188,6 +200,17 @@ class HostTier:
             self._to_device.append(Transfer(TO_DEVICE, h, d))
             self._load_dst[d] = h
         self.to_device_count += len(host_blocks)
+
+    def drop_released_loads(self, device_blocks: Sequence[int], refcount: Callable[[int], int]) -> list[int]:
+        """A sequence is freed holding ``device_blocks``: the ones it alone holds (``refcount``
+        1) and a pending load fills lose that load (see :meth:`drop_loads_into`). Returns them:
+        their K/V never arrives, so the device must not keep them findable."""
+        if not (self._to_host or self._to_device):
+            return []
+        load = self._load_dst
+        unloaded = [d for d in device_blocks if d in load and refcount(d) == 1]
+        self.drop_loads_into(unloaded)
+        return unloaded
 
     def drop_loads_into(self, device_blocks: Sequence[int]) -> None:
         """Their only holder released these device blocks before the step ran: the loads into
@@ -366,12 +389,32 @@ class HostTier:
             self.drop_orphans(gone)
         return host
 
-    def swap_in(self, host_blocks: Sequence[int], device_blocks: Sequence[int]) -> None:
+    def plan_swap_in(self, host: dict[int, int], hashes: Sequence[Hashable], nfull: int) -> tuple[dict, list]:
+        """For a swapped-out sequence (``host``: table index -> host block; ``hashes``: its
+        chained hashes, ``nfull`` of its blocks full): ``(revive, loads)``, the indexes whose
+        content the device still caches (index -> that device block: revived, no transfer) and
+        the indexes to load, ascending. Example: full blocks 0 and 1 on the host, block 0's
+        hash still mapped on the device to block 7 -> ({0: 7}, [1])."""
+        order = sorted(host)
+        revive = {}
+        device = self._device
+        if device is not None:
+            for i in order:
+                if i < nfull:
+                    d = device.get(hashes[i])
+                    if d is not None:
+                        revive[i] = d
+        return revive, [i for i in order if i not in revive]
+
+    def swap_in(self, host_blocks: Sequence[int], device_blocks: Sequence[int], revived: Sequence[int] = ()) -> None:
         """The swapped sequence's host blocks go back into ``device_blocks``: ``to_device``
-        transfers (pinning the host blocks until drained), and the sequence lets go of them."""
+        transfers (pinning the host blocks until drained), and the sequence lets go of them and
+        of ``revived`` (host blocks whose content the device still had)."""
         self.pin(host_blocks)
         self.queue_loads(host_blocks, device_blocks)
         self.release(host_blocks)
+        if revived:
+            self.release(revived)
 
     def release(self, host_blocks: Sequence[int]) -> None:
         """A sequence lets go of host blocks (freed while swapped out, or swapped back in)."""

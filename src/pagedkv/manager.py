@@ -811,8 +811,7 @@ class KVCacheManager:
             raise ValueError(not_ready(seq_id, s, "swap out"))
         refcount, table = self._pool.refcount, s.table
         tier = self._tier
-        if s in self._busy or any(self._cq.is_destination(b) or tier.is_load_destination(b) or tier.is_store_source(b)
-                                  for b in table):
+        if s in self._busy or tier.pending_on(table) or any(map(self._cq.is_destination, table)):
             raise ValueError(f"cannot swap out {seq_id!r}: it was given positions or blocks in this step "
                              f"(or a copy or transfer of its blocks is pending), whose K/V is written only "
                              f"after take_transfers(); swap it out before scheduling it, or after the step")
@@ -840,16 +839,8 @@ class KVCacheManager:
         if s.host is None:
             raise ValueError(f"sequence {seq_id!r} is not swapped out")
         pool, cache, bs = self._pool, self._cache, self._bs
-        order = sorted(s.host)
         nfull = s.computed // bs
-        revive = {}  # table index -> device block still holding its content
-        if cache is not None:
-            for i in order:
-                if i < nfull:
-                    d = cache.get(s.hashes[i])
-                    if d is not None:
-                        revive[i] = d
-        loads = [i for i in order if i not in revive]
+        revive, loads = self._tier.plan_swap_in(s.host, s.hashes, nfull)
         revived = list(revive.values())
         self._cq.check_room(0, len(loads), f"swapping in {seq_id!r}", revived)
         new = self._cq.allocate(0, len(loads), revived)[0]
@@ -857,8 +848,7 @@ class KVCacheManager:
             s.table[i] = d
         for i, d in zip(loads, new):
             s.table[i] = d
-        self._tier.swap_in([s.host[i] for i in loads], new)
-        self._tier.release([s.host[i] for i in revive])
+        self._tier.swap_in([s.host[i] for i in loads], new, [s.host[i] for i in revive])
         s.host = None
         self._unready -= 1
         self._swapped -= 1
@@ -927,10 +917,7 @@ class KVCacheManager:
         if self._cq.sources:
             self._cq.drop_into([b for b in table if refcount(b) == 1])
         tier = self._tier
-        unloaded: list[int] = []
-        if tier is not None and tier.has_pending():
-            unloaded = [b for b in table if tier.is_load_destination(b) and refcount(b) == 1]
-            tier.drop_loads_into(unloaded)
+        unloaded = tier.drop_released_loads(table, refcount) if tier is not None else []
         prefix = self._cache
         if prefix is not None and prefix.has_twins:  # a twin going back clean is no twin
             prefix.forget_twins([b for b in prefix.twins_among(table) if refcount(b) == 1])
@@ -1011,10 +998,7 @@ class KVCacheManager:
         cache, tier = self._cache, self._tier
         host = {}
         if tier is not None:
-            host = dict(host_blocks=tier.num_blocks, host_used_blocks=tier.num_used,
-                        host_cached_blocks=tier.num_cached, host_hit_tokens=tier.hit_tokens,
-                        swapped_sequences=self._swapped, transfers_to_host=tier.to_host_count,
-                        transfers_to_device=tier.to_device_count)
+            host = dict(tier.usage_fields(), swapped_sequences=self._swapped)
         return Usage(
             num_blocks=pool.num_blocks,
             block_size=bs,
