@@ -298,6 +298,13 @@ class BlockHasher:
         """Hash of one block's token bytes chained from ``parent``."""
         return self.digest(parent, data)
 
+    def rehash(self, parent: Hashable, tokens: Sequence[int], key: "BlockKey | None" = None) -> Hashable:
+        """One block's chained hash from its tokens (and extra keys), as every hash is computed
+        (little-endian uint32 bytes, then the key's suffix): what a cache's kept ``(parent,
+        tokens[, key])`` must give back, for the checks."""
+        data = token_bytes(tokens)
+        return self.digest(parent, data + key.suffix if key is not None else data)
+
     def chain(self, parent: Hashable, data: bytes, block_bytes: int, n: int) -> list:
         """Hashes of the first ``n`` blocks of ``data``, each chained from the one before.
 

@@ -34,7 +34,7 @@ from typing import Any, Hashable, Iterable, Sequence
 import numpy as np
 
 from .eventlog import EventLog
-from .hashing import MAX_TOKEN_ID, BlockHasher, BlockKey, ExtraKeys, HashMemo, token_bytes
+from .hashing import MAX_TOKEN_ID, BlockHasher, ExtraKeys, HashMemo
 from .host_tier import WRITE_POLICIES, HostTier
 from .checks import as_int
 from .checks import require as _require
@@ -43,14 +43,14 @@ from .pool import MAX_BLOCKS, BlockPool
 from .prefix_cache import PrefixCache
 from .sequences import Seq as _Seq
 from .sequences import as_token as _as_token
-from .sequences import (block_tables, blocks_for_step, check_hashes, check_tables, flashinfer_layout, logical_usage,
-                        not_ready, slots_of)
+from .sequences import (block_tables, blocks_for_step, check_hashes, check_tables, filled_columns, flashinfer_layout,
+                        logical_usage, not_ready, slots_of)
 from .sequences import count as _count
 from .sequences import id_sequence as _id_sequence
 from .sequences import known as _known
 from .sequences import le_bytes as _le_bytes
 from .sequences import token_array as _token_array
-from .types import CopyOp, OutOfBlocks, PrefixHit, Transfer, Usage
+from .types import CopyOp, PrefixHit, Transfer, Usage
 
 __all__ = ["KVCacheManager"]
 
@@ -739,29 +739,9 @@ class KVCacheManager:
         One call per decode step, not per block. A sequence with extra keys (a LoRA adapter)
         hashes its block's key with its tokens, and the cache is given every block's key.
         """
-        bs, digest, root = self._bs, self._digest, self._root
-        blocks, hashes, parents, tokens = [], [], [], []
-        block_keys = None  # one key (or None) per block, once a filled sequence has extra keys
-        for s in filled:
-            block_tokens = s.tokens[-bs:]
-            chain = s.hashes
-            parent = chain[-1] if chain else root
-            if s.keys is None:
-                h = digest(parent, _le_bytes(block_tokens))
-            else:
-                key = s.keys.block_key(len(chain))
-                if block_keys is None:
-                    block_keys = [None] * len(blocks)
-                data = _le_bytes(block_tokens)
-                h = digest(parent, data + key.suffix if key is not None else data)
-            if block_keys is not None:
-                block_keys.append(None if s.keys is None else key)
-            chain.append(h)
-            blocks.append(s.table[-1])
-            hashes.append(h)
-            parents.append(parent)
-            tokens.append(block_tokens)
-        self._cache.publish_blocks(blocks, hashes, parents, tokens, bs, block_keys)
+        bs = self._bs
+        blocks, hashes, parents, tokens, keys = filled_columns(filled, bs, self._digest, self._root)
+        self._cache.publish_blocks(blocks, hashes, parents, tokens, bs, keys)
         if self._write_through:
             self._tier.published(blocks, hashes)
 
@@ -1052,24 +1032,17 @@ class KVCacheManager:
                      "a sequence given work this step is freed or swapped out")
         _require(swapped == self._swapped, f"{swapped} sequences swapped out, {self._swapped} counted")
         if self._tier is not None:
-            self._tier.check_invariants(host_refs, self._rehash)
+            self._tier.check_invariants(host_refs, self._hasher.rehash)
         else:
             _require(not swapped, "a sequence is swapped out without a host tier")
         self._cq.check_invariants()
         self._check_cache()
-
-    def _rehash(self, parent: Hashable, tokens: Sequence[int], key: BlockKey | None = None) -> Hashable:
-        """One block's chained hash from its tokens (and extra keys), as every hash is computed
-        (little-endian uint32 bytes, then the key's suffix): what a cache's kept
-        ``(parent, tokens[, key])`` must give back, for the checks."""
-        data = token_bytes(tokens)
-        return self._hasher.block(parent, data + key.suffix if key is not None else data)
 
     def _check_cache(self) -> None:
         cache, keys, bs = self._cache, self._pool.keyed_blocks(), self._bs
         if cache is None:
             _require(not keys, "blocks carry keys with prefix caching off")
             return
-        cache.check_invariants(self._rehash)
+        cache.check_invariants(self._hasher.rehash)
         chain = lambda data, nfull, keys: self._hasher.chain_keyed(self._root, data, 4 * bs, 0, nfull, keys)  # noqa: E731
         check_hashes(self._seqs, keys, cache.twins(), chain, bs)

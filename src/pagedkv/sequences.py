@@ -23,7 +23,7 @@ from .hashing import MAX_TOKEN_ID, ExtraKeys
 
 __all__ = ["Seq", "token_array", "id_sequence", "le_bytes", "known", "count", "as_token", "slots_of",
            "not_ready", "block_tables", "flashinfer_layout", "scheduled_tables", "logical_usage",
-           "check_tables", "blocks_for_step", "check_hashes"]
+           "check_tables", "blocks_for_step", "check_hashes", "filled_columns"]
 
 _BIG_ENDIAN = sys.byteorder == "big"
 
@@ -385,3 +385,35 @@ def check_hashes(seqs: dict, keyed: dict, twins: dict, chain, bs: int) -> None:
             else:
                 require(k == expect[i], f"block {b} of {sid!r} is mapped under another content's hash")
     require(held_twins == twins, "a remembered twin is no live full block of that content")
+
+
+def filled_columns(filled: Iterable[Seq], bs: int, digest, root: Hashable) -> tuple[list, list, list, list, list | None]:
+    """Each sequence's last block just filled: hash it, chained from the sequence's last hash
+    (``root`` for its first block) with ``digest(parent, bytes)``, append the hash to the
+    sequence's chain, and return the columns ``PrefixCache.publish_blocks`` takes: blocks,
+    hashes, parents, tokens, and one :class:`~pagedkv.hashing.BlockKey` (or None) per block once
+    a filled sequence has extra keys (None when none has). One call per decode step, not per
+    block. Example (block size 4): a sequence of 8 tokens in [3, 5] -> ([5], [h1], [h0],
+    [its last 4 tokens], None), with h1 appended to its hashes."""
+    blocks, hashes, parents, tokens = [], [], [], []
+    block_keys = None
+    for s in filled:
+        block_tokens = s.tokens[-bs:]
+        chain = s.hashes
+        parent = chain[-1] if chain else root
+        if s.keys is None:
+            h = digest(parent, le_bytes(block_tokens))
+        else:
+            key = s.keys.block_key(len(chain))
+            if block_keys is None:
+                block_keys = [None] * len(blocks)
+            data = le_bytes(block_tokens)
+            h = digest(parent, data + key.suffix if key is not None else data)
+        if block_keys is not None:
+            block_keys.append(None if s.keys is None else key)
+        chain.append(h)
+        blocks.append(s.table[-1])
+        hashes.append(h)
+        parents.append(parent)
+        tokens.append(block_tokens)
+    return blocks, hashes, parents, tokens, block_keys
