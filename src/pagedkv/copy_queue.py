@@ -23,7 +23,7 @@ source instead: the same bytes, as running them in order would give).
 from __future__ import annotations
 
 from collections import Counter
-from typing import Collection, Iterable, Sequence
+from typing import Collection, Hashable, Iterable, Sequence
 
 from .checks import require
 from .pool import BlockPool
@@ -118,17 +118,18 @@ class CopyQueue:
             pool.claim(sources)
         return dst, sources + pool.allocate(fresh - len(sources))
 
-    def fresh(self, n: int, what: str, acquire: Sequence[int] = ()) -> list[int]:
+    def fresh(self, n: int, doing: str, seq_id: Hashable, acquire: Sequence[int] = ()) -> list[int]:
         """``n`` blocks this step writes after the copies run (after acquiring ``acquire``):
         the pool's own allocation when no copy is pending, the rule otherwise. Atomic:
-        OutOfBlocks, naming ``what``, changes nothing."""
+        OutOfBlocks, naming the call (``"admitting 'r1'"``: ``doing`` and ``seq_id``, formatted
+        only on failure), changes nothing."""
         if self.sources:
-            self.check_room(n, 0, what, acquire)
+            self.check_room(n, 0, f"{doing} {seq_id!r}", acquire)
             return self.allocate(n, 0, acquire)[1]
         try:
             return self._pool.allocate(n, acquire=acquire)
         except OutOfBlocks as e:
-            raise OutOfBlocks(e.needed, e.available, what) from None
+            raise OutOfBlocks(e.needed, e.available, f"{doing} {seq_id!r}") from None
 
     def fresh_one(self) -> int:
         """One fresh block (the per-block append path); its failure changes nothing."""

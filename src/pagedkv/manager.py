@@ -444,7 +444,7 @@ class KVCacheManager:
         if loads:
             table = hits + self._admit_with_loads(hits, loads, need, seq_id)
         else:
-            table = hits + self._cq.fresh(need, f"admitting {seq_id!r}", hits)
+            table = hits + self._cq.fresh(need, "admitting", seq_id, hits)
         s = _Seq(table, tokens, hashes, keys, unscheduled=n - computed, written=len(hits) + len(loads))
         if self._busy is not None and need:  # new positions (hits are whole blocks) or loads
             self._busy.add(s)  # nothing computed yet: no swap_out before the step runs
@@ -478,7 +478,7 @@ class KVCacheManager:
         stop = start + n
         need = -(-stop // bs) - len(s.table)  # < 0 when blocks were reserved at admission
         if need > 0:
-            s.add_blocks(self._cq.fresh(need, f"prefilling {seq_id!r}"))
+            s.add_blocks(self._cq.fresh(need, "prefilling", seq_id))
         s.unscheduled = rest - n
         if self._busy is not None:
             self._busy.add(s)

@@ -470,8 +470,9 @@ class BlockPool:
         """For each ``(block, key)`` pair, the block that carries the key afterwards: a key no
         block carries yet is given to its block, a key already carried (by an older block, or by
         an earlier pair) keeps its block, and that pair's block stays unkeyed. So the result
-        equals ``blocks`` exactly where the key was new. One C-level ``setdefault`` pass, the
-        prefix cache's publication. Example: block 5 carries "h" -> ``publish_keys([7, 8],
+        equals ``blocks`` exactly where the key was new, and *is* ``blocks`` (the same list, so
+        that a caller tests ``held is blocks`` in O(1)) when every key was new. One C-level
+        ``setdefault`` pass, the prefix cache's publication. Example: block 5 carries "h" -> ``publish_keys([7, 8],
         ["h", "g"])`` returns [5, 8]: 8 carries "g", 7 nothing. The blocks must be in use and
         carry no key."""
         if self._check_args:
@@ -481,8 +482,8 @@ class BlockPool:
         held = list(map(self._blocks.setdefault, keys, blocks))
         if held == blocks:  # the common case: every key new
             self._keys.update(zip(blocks, keys))
-        else:
-            self._keys.update((b, k) for b, k, h in zip(blocks, keys, held) if b == h)
+            return blocks
+        self._keys.update((b, k) for b, k, h in zip(blocks, keys, held) if b == h)
         return held
 
     def _check_keying(self, blocks: Sequence[int], keys: Sequence[Hashable]) -> list[int]:

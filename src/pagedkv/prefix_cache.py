@@ -114,7 +114,7 @@ class PrefixCache:
         # One probe a hash, at C speed, in the pool (the map's owner): each new hash is given its
         # block; for a hash already mapped the older block is returned, and the map keeps it.
         held = self._pool.publish_keys(blocks, hashes)
-        if held == blocks:  # the common case: all new, one run
+        if held is blocks:  # the common case: all new, one run
             self._stored(hashes, parent, tokens, block_size, 0, len(blocks), keys)
             if self._content is not None:
                 self._keep(blocks, hashes, parent, tokens, block_size, range(len(blocks)), keys)
@@ -214,7 +214,7 @@ class PrefixCache:
         columns.
         """
         held = self._pool.publish_keys(blocks, hashes)
-        if held != blocks:  # some hashes were mapped already: publish only the new ones
+        if held is not blocks:  # some hashes were mapped already: publish only the new ones
             if self._twins is not None:
                 self._add_twins(blocks, hashes, held)
             new = [i for i, (b, k) in enumerate(zip(blocks, held)) if b == k]
