@@ -390,16 +390,16 @@ class HashMemo:
     bytes), so equal keys mean equal prompts under equal extra keys whatever the algorithm.
     """
 
-    __slots__ = ("_memo", "_held", "max_entries", "max_blocks")
+    __slots__ = ("_memo", "_held", "max_entries", "max_blocks", "entries")
 
     def __init__(self, max_entries: int, max_blocks: int) -> None:
         self._memo: dict[Hashable, list] = {}  # insertion order is recency order
         self._held = 0  # hashes held by all entries
         self.max_entries = max_entries
         self.max_blocks = max_blocks
-
-    def __len__(self) -> int:
-        return len(self._memo)
+        # Prompts held: an attribute, not __len__, so that an admission asks "is the memo
+        # empty?" (and skips hashing its prompt's bytes for a key) without a Python call.
+        self.entries = 0
 
     def get(self, key: Hashable) -> list | None:
         """The hashes kept under ``key`` (now the most recently used), or None."""
@@ -422,3 +422,4 @@ class HashMemo:
         self._held += len(hashes)
         while len(memo) > self.max_entries or self._held > self.max_blocks:
             self._held -= len(memo.pop(next(iter(memo))))
+        self.entries = len(memo)

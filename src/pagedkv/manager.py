@@ -376,7 +376,7 @@ class KVCacheManager:
         request) and a sha256 of the prompt's bytes, so equal keys mean equal prompts under equal
         extra keys whatever ``hash_algo`` is."""
         memo = self._hash_memo
-        if memo or remember:
+        if memo.entries or remember:
             key = (keys.ident if keys is not None else None, hashlib.sha256(data).digest())
             hashes = memo.get(key)
             if hashes is not None:
