@@ -1,13 +1,22 @@
-"""KVCacheManager: sequences, block tables, fork, copy-on-write, prefix hits, exports, usage.
+"""KVCacheManager: the facade of the allocator; sequences, block tables, fork, copy-on-write,
+prefix hits, exports, usage.
 
-This is the only layer that knows what a sequence is. Per sequence it keeps the block table
-(logical block i -> physical block id, plus an int32 mirror that the kernel exports slice), the
-token ids, the chained hashes of its full blocks (when prefix caching is on), how much of its
-prompt is still unscheduled (chunked prefill), how many draft tokens are pending (speculative
-decoding), and the slot its next token takes when no decision is needed (the decode fast path).
-Everything physical (refcounts, free list, eviction) belongs to :class:`~pagedkv.pool.BlockPool`;
-the hash -> block map and the events to :class:`~pagedkv.prefix_cache.PrefixCache`. The manager
-uses only their public methods.
+This is the only layer that knows what a sequence is: it holds the dict of live sequences and
+runs the hot paths (append, fork, free), where a call into another module per token would cost
+more than the work. Each structure it drives has one owner, and the manager uses only their
+public methods:
+
+* :mod:`~pagedkv.sequences`: one sequence's state (:class:`~pagedkv.sequences.Seq`: table and
+  its int32 mirror, tokens, chained hashes, prefill and draft counters, the decode fast-path
+  slot), the kernel exports and the per-sequence checks;
+* :class:`~pagedkv.pool.BlockPool`: refcounts, free list, eviction, and the hash <-> block
+  bijection;
+* :class:`~pagedkv.prefix_cache.PrefixCache`: publishing, events, twins, hit statistics;
+* :class:`~pagedkv.copy_queue.CopyQueue`: the pending copies, and every allocation they
+  constrain;
+* :class:`~pagedkv.host_tier.HostTier`: host blocks, transfers, the device side of swaps and
+  loads, and its own counters;
+* :class:`~pagedkv.hashing.HashMemo`: prompts' hashes a lookup computed, for their admission.
 
 The life of a decode step, with block size 16::
 
