@@ -20,10 +20,11 @@ sliding group holds 52 layers' K/V (6,815,744 bytes in bf16) and one of the full
   fixed ratio. Nothing is padded, but memory free in one pool cannot serve the other: when the
   trace's mix of lengths moves away from the split, requests wait with memory free (stranded).
 
-Worked number (Gemma 3 27B, bf16, block size 16, one request of 32,768 tokens): full group 2,048
-blocks of 10 layers, sliding group 65 blocks of 52 layers (the blocks its last position read):
-(2,048 x 10 + 65 x 52) x 131,072 bytes = 2,927 MiB grouped; vLLM's equal pages add 8 padding
-layers x 65 blocks = 65 MiB (2.2%); the uniform allocator holds 2,048 x 62 layers = 15,872 MiB.
+Worked number (Gemma 3 27B, bf16, block size 16, one request of 32,768 tokens; one layer's block
+is 131,072 bytes): the full group holds 2,048 blocks of 10 layers, the sliding group the 64
+blocks its last position read, of 52 layers: (2,048 x 10 + 64 x 52) x 131,072 bytes = 2,976 MiB;
+vLLM's equal pages add 8 padding layers x 64 blocks = 64 MiB (2.2% more); the uniform allocator
+holds 2,048 blocks x 62 layers = 15,872 MiB.
 
 The replay (:func:`replay`) is a model, not a serving run: the trace's requests queue at t = 0
 (a saturated server, arrival times ignored), are admitted first come first served while every
@@ -41,7 +42,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..checks import int_at_least, number_at_least
+from ..checks import int_at_least, number_at_least, require
 from ..kv_specs import AttentionSpec, ChunkedLocalAttention, FullAttention, SlidingWindow
 from .sizing import ModelSpec, attention_groups, equal_page_groups, kv_size
 
@@ -227,7 +228,7 @@ def separate_pool_layout(spec: ModelSpec, budget_bytes: int, shares: Sequence[fl
 def demand_share(spec: ModelSpec, contexts, *, block_size: int = 16) -> list[float]:
     """Each attention type's share of the bytes requests of these ``contexts`` hold together (no
     padding): the split a separate-pool layout would be sized at for that mix. Example:
-    gpt-oss-120b at 4,096 tokens: sliding 9 blocks, full 256 -> [0.034, 0.966]."""
+    gpt-oss-120b at 4,096 tokens: sliding 8 blocks, full 256 -> [0.030, 0.970]."""
     c = np.asarray(contexts, dtype=np.int64)
     per_type = [n * float(blocks_held_array(a, c, block_size).sum()) for a, n in attention_groups(spec)]
     total = sum(per_type)
@@ -262,13 +263,17 @@ class ReplayResult:
 def replay(layout: Layout, prompts, outputs, *, max_running: int = 256) -> ReplayResult:
     """Replay requests of these ``prompts``/``outputs`` lengths through ``layout`` (modelled).
 
-    All requests wait at t = 0 in order. Each step every running request gains a token (a step
-    of ``k`` tokens at once, ``k`` = the block size or up to the next finish, to keep the replay
-    fast: demand is counted at the block granularity it changes at); finished requests leave;
-    while a pool overflows, the newest running request is preempted (recomputed: it goes back to
-    the queue's head with its context); then the queue's head is admitted while every pool holds
-    its demand and fewer than ``max_running`` (vLLM's ``max_num_seqs``, 256) run. A request whose
-    demand alone, at any length up to its last token, exceeds a pool never runs (``never_fit``).
+    All requests wait at t = 0 in order. Each round: the queue's head is admitted (its prompt
+    computed at once) while every pool holds its demand and fewer than ``max_running`` (vLLM's
+    ``max_num_seqs``, 256) run; every running request then decodes ``k`` tokens (``k`` = the block
+    size, or fewer up to the next finish: demand is counted at the block granularity it changes
+    at, which keeps the replay fast); finished requests leave; while a pool overflows, the newest
+    running request is preempted (recomputed: back to the queue's head with its context). A
+    request whose demand alone, at any length up to its last token, exceeds a pool never runs
+    (``never_fit``). Example: one pool of 3 blocks of 16 tokens, two requests of 16 prompt + 17
+    output tokens: both run 16 steps, at 32 tokens they need 4 blocks and the second is preempted;
+    the first finishes a step later, the second is readmitted at 32 tokens and finishes after one
+    more: 18 steps, mean running 34/18, 1 preemption.
     """
     if not isinstance(layout, Layout):
         raise ValueError(f"layout must be a Layout, got {type(layout).__name__}")
@@ -302,23 +307,6 @@ def replay(layout: Layout, prompts, outputs, *, max_running: int = 256) -> Repla
 
     used = np.zeros(len(pools), dtype=np.int64)
     while queue or run_ids:
-        if run_ids:
-            k = max(1, int(min(bs, (final[run_ids] - ctx).min())))
-            ctx = ctx + k
-            done = ctx >= final[run_ids]
-            if done.any():
-                run_ids = [r for r, d in zip(run_ids, done) if not d]
-                ctx = ctx[~done]
-            used = demand(ctx)
-            while (used > cap).any():
-                victim = run_ids.pop()
-                resume[victim] = ctx[-1]
-                ctx = ctx[:-1]
-                queue.appendleft(victim)
-                preemptions += 1
-                used = demand(ctx)
-        else:
-            k = 1
         waiting = False
         while queue and len(run_ids) < max_running:
             head = queue[0]
@@ -330,16 +318,31 @@ def replay(layout: Layout, prompts, outputs, *, max_running: int = 256) -> Repla
             run_ids.append(head)
             ctx = np.append(ctx, resume[head])
             used = used + need
+        require(bool(run_ids), "replay: the queue's head fits alone, so something runs")
+        k = max(1, int(min(bs, (final[run_ids] - ctx).min())))
         held = float((used * page).sum())
+        steps += k
         running_sum += k * len(run_ids)
         held_sum += k * held
+        peak_running = max(peak_running, len(run_ids))
         if padded:
             real_sum += k * layout.real_bytes(ctx)
         if waiting:
             waiting_steps += k
             free_sum += k * (layout.budget_bytes - held) / layout.budget_bytes
-        steps += k
-        peak_running = max(peak_running, len(run_ids))
+        ctx = ctx + k
+        done = ctx >= final[run_ids]
+        if done.any():
+            run_ids = [r for r, d in zip(run_ids, done) if not d]
+            ctx = ctx[~done]
+        used = demand(ctx)
+        while (used > cap).any():  # the newest makes room, to be recomputed from its context
+            victim = run_ids.pop()
+            resume[victim] = ctx[-1]
+            ctx = ctx[:-1]
+            queue.appendleft(victim)
+            preemptions += 1
+            used = demand(ctx)
     padding_share = 1 - real_sum / held_sum if padded and held_sum else 0.0
     return ReplayResult(layout.name, len(p), int((~fits).sum()), steps,
                         running_sum / steps if steps else 0.0, peak_running, preemptions,
