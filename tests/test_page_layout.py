@@ -141,3 +141,19 @@ def test_demand_share():
     assert pl.demand_share(oss, [4096]) == pytest.approx([8 / 264, 256 / 264])
     with pytest.raises(ValueError):
         pl.demand_share(oss, [0])
+
+
+def test_size_shows_requests_fit_under_vllm_pages(capsys):
+    from test_sizing import _run as size  # the size command with captured output
+
+    rc, out, _ = size(["Gemma-3-27B", "--kv-gib", "19", "--context", "4096"], capsys)
+    assert rc == 0
+    budget = 19 * 2**30
+    gemma = get_model("Gemma-3-27B")
+    grouped = pl.equal_page_layout(gemma, budget, group_layers=2).requests_fit(4096)
+    vllm = pl.equal_page_layout(gemma, budget).requests_fit(4096)
+    assert (grouped, vllm) == (budget // (736 * MIB), (budget // (10 * 131_072)) // (6 * 64 + 256))
+    assert vllm < grouped
+    row = next(line for line in out.splitlines() if line.startswith("4,096") and line.rstrip().endswith(str(vllm)))
+    assert row.split()[-2:] == [str(grouped), str(vllm)]
+    assert "7 block tables per request, 8 padding layer slots" in " ".join(out.split())
