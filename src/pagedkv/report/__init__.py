@@ -23,6 +23,7 @@ SECTIONS: dict[str, str] = {
     "cow_proof": "cow_proof",
     "fig2": "fig2",
     "block_size": "block_size",
+    "hybrid": "hybrid",
     "sharing": "sharing",
     "prefix_hits": "prefix_hits",
     "chunked_spec": "chunked_spec",
