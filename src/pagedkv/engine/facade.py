@@ -23,6 +23,13 @@ __all__ = ["Engine", "PREEMPTION_MODES"]
 PREEMPTION_MODES = ("recompute", "swap")
 
 
+def _option(part: str, name: str) -> property:
+    """A read-only option of the engine, kept by the part that uses it (``_executor`` or
+    ``_steps``): ``engine.token_budget`` reads ``engine._steps.token_budget``."""
+    return property(lambda self: getattr(getattr(self, part), name),
+                    doc=f"The engine's ``{name}`` option (read-only; held by its {part.strip('_')}).")
+
+
 class Engine:
     """Generation over a :class:`~pagedkv.KVCacheManager` and a :class:`~pagedkv.store.KVStore`.
 
@@ -107,33 +114,14 @@ class Engine:
         since the engine was made or the last ``generate``): see :class:`EngineStats`."""
         return self._executor.stats
 
-    @property
-    def copy_on_write(self) -> bool:
-        return self._executor.copy_on_write
-
-    @property
-    def run_transfers(self) -> bool:
-        return self._executor.run_transfers
-
-    @property
-    def token_budget(self) -> int | None:
-        return self._steps.token_budget
-
-    @property
-    def chunk_size(self) -> int | None:
-        return self._steps.chunk_size
-
-    @property
-    def speculator(self) -> Any:
-        return self._steps.speculator
-
-    @property
-    def publish_at_admission(self) -> bool:
-        return self._steps.publish_at_admission
-
-    @property
-    def preemption(self) -> str:
-        return self._steps.preemption
+    # read-only: changing an option after construction would leave the loops' checks behind
+    copy_on_write = _option("_executor", "copy_on_write")
+    run_transfers = _option("_executor", "run_transfers")
+    token_budget = _option("_steps", "token_budget")
+    chunk_size = _option("_steps", "chunk_size")
+    speculator = _option("_steps", "speculator")
+    publish_at_admission = _option("_steps", "publish_at_admission")
+    preemption = _option("_steps", "preemption")
 
     @property
     def uses_step_loop(self) -> bool:
