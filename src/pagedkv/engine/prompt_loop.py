@@ -11,8 +11,8 @@ step chooses the next beams of a request from all of its beams' logits at once, 
 beams chosen twice and freeing those chosen never. In the step loop a request's sequences are
 scheduled one by one within a token budget and may be preempted separately (recomputed or swapped
 out), so a beam step would need all of a request's beams to be scheduled in the same step, and a
-restart would have to replay the beams' forks. vLLM made the same call: its v1 engine has no beam
-search, which runs on top of the engine instead. docs/design.md (section 1, the engine package)
+restart would have to replay the beams' forks. vLLM makes the same call: ``LLM.beam_search`` runs above
+its engine, not in the scheduler. docs/design.md (section 1, the engine package)
 has the numbers.
 
 Owns the per-call state: the call's tag and sequence serial, and the live sequences. May import
