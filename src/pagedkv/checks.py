@@ -43,8 +43,15 @@ def int_at_least(name: str, value: Any, lo: int = 0) -> int:
 
 
 def optional_int_at_least(name: str, value: Any, lo: int = 0) -> int | None:
-    """``None`` (meaning "no limit" or "the default"), or an int no smaller than ``lo``."""
-    return None if value is None else int_at_least(name, value, lo)
+    """``None`` (meaning "no limit" or "the default"), or an int no smaller than ``lo``; the error
+    names both choices: ``optional_int_at_least("data_parallel_rank", -1)`` raises
+    ``ValueError: data_parallel_rank must be None or an int >= 0, got -1``."""
+    if value is None:
+        return None
+    try:
+        return int_at_least(name, value, lo)
+    except ValueError:
+        raise ValueError(f"{name} must be None or an int >= {lo}, got {value!r}") from None
 
 
 def number_at_least(name: str, value: Any, lo: float = 0.0, *, strict: bool = False) -> float:

@@ -27,7 +27,7 @@ from ..sim.sizing import (
     request_kv_bytes,
     spec_from_config,
 )
-from ..tables import Table
+from ..report.tables import Table
 from . import UsageError, check_int, check_number, emit, reports_errors
 
 __all__ = ["add_arguments", "run"]

@@ -31,7 +31,7 @@ from ..sim.costmodel import A100_40GB_HBM_BYTES_PER_S, A100_BF16_FLOPS, CostMode
 from ..sim.metrics import Metrics, compute
 from ..sim.request import Request
 from ..sim.scheduler import SimResult, simulate
-from ..tables import Section, Table
+from .tables import Section, Table
 from .options import ReportOptions
 
 __all__ = ["section", "PAPER_TOKEN_SHARE", "PAPER_BARS", "paper_setup", "saturated", "load", "prepare", "Prepared",

@@ -49,7 +49,7 @@ from ..sim.sizing import GIB, kv_budget_bytes, kv_bytes_per_token
 from ..sim.swap_cost import Link, copies_per_block
 from ..sim.tiered import TieredAllocator
 from ..sim.traces import content_key, load_azure_csv, load_mooncake_jsonl, trace_path
-from ..tables import Section, Table
+from .tables import Section, Table
 from ..types import TO_HOST
 from .options import ReportOptions
 

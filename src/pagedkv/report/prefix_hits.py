@@ -45,7 +45,7 @@ from ..sim.traces import (
     trace_not_found,
     trace_path,
 )
-from ..tables import Section, Table
+from .tables import Section, Table
 from .options import ReportOptions
 
 __all__ = ["section", "replay", "block_replay", "ideal_hits", "ReplayResult", "MAX_RUNNING"]
