@@ -71,7 +71,8 @@ class CostModel:
             if self.weight_bytes is None:
                 object.__setattr__(self, "weight_bytes", w)
         for name in ("kv_bytes_per_token", "weight_bytes", "weight_dtype_bytes"):
-            value = int_at_least(name, getattr(self, name), int(name != "weight_bytes"), expected="a positive int")
+            lo = int(name != "weight_bytes")  # a model may have no weights to count
+            value = int_at_least(name, getattr(self, name), lo, expected="a positive int")
             object.__setattr__(self, name, value)
         number_at_least("bandwidth", self.bandwidth, 0.0, strict=True)
         number_at_least("peak_flops", self.peak_flops, 0.0, strict=True)
