@@ -78,7 +78,7 @@ from array import array
 from types import SimpleNamespace
 from typing import Any, Iterable
 
-from ..checks import optional_int_at_least
+from ..checks import int_at_least, number_at_least, optional_int_at_least
 from ..hashing import ALGORITHMS, BlockHasher
 from ..types import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -328,9 +328,7 @@ def _stored_to_wire(ev: Any, roots: Any, w: SimpleNamespace, relayed: bool = Fal
         what = type(parent).__name__
         raise ValueError(f"parent_block_hash must be bytes, an int or None, got {what}") from None
     tokens = _token_list(ev.token_ids)
-    bs = ev.block_size
-    if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
-        raise ValueError(f"block_size must be a positive int, got {bs!r}")
+    bs = int_at_least("block_size", ev.block_size, 1, expected="a positive int")
     if len(tokens) != len(hashes) * bs:
         n = len(hashes)
         raise ValueError(f"a BlockStored of {n} blocks of {bs} tokens needs {n * bs} token ids, got {len(tokens)}")
@@ -384,8 +382,7 @@ def encode_vllm(
     single = (BlockStored, BlockRemoved, AllBlocksCleared, w.BlockStored, w.BlockRemoved, w.AllBlocksCleared)
     if isinstance(events, single):  # AllBlocksCleared() is an empty tuple: it would encode as no events
         raise ValueError(f"events must be a list of events, got a single {type(events).__name__}")
-    if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)) or not math.isfinite(timestamp):
-        raise ValueError(f"timestamp must be a finite number of seconds, got {timestamp!r}")
+    timestamp = number_at_least("timestamp", timestamp, -math.inf, expected="a finite number of seconds")
     data_parallel_rank = optional_int_at_least("data_parallel_rank", data_parallel_rank, 0)
     if roots is None:
         roots = default_roots()

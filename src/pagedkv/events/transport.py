@@ -21,7 +21,7 @@ import time
 from collections import deque
 from typing import Any, Iterable, NamedTuple
 
-from ..checks import int_at_least, optional_int_at_least
+from ..checks import int_at_least, number_at_least, optional_int_at_least
 from .codec import INSTALL_HINT, decode_vllm, default_roots, encode_vllm, wire_schema
 
 __all__ = [
@@ -288,9 +288,8 @@ class KVEventSubscriber:
             start_seq = int_at_least("start_seq", start_seq, 0)
         if not isinstance(topic, str):
             raise ValueError(f"topic must be a str, got {type(topic).__name__}")
-        bad_timeout = isinstance(replay_timeout, bool) or not isinstance(replay_timeout, (int, float))
-        if bad_timeout or not replay_timeout > 0:
-            raise ValueError(f"replay_timeout must be a positive number of seconds, got {replay_timeout!r}")
+        positive = "a positive number of seconds"
+        replay_timeout = number_at_least("replay_timeout", replay_timeout, 0.0, strict=True, expected=positive)
         if replay_endpoint is not None and not isinstance(replay_endpoint, str):
             raise ValueError(f"replay_endpoint must be a str or None, got {type(replay_endpoint).__name__}")
         self._zmq = zmq
