@@ -276,3 +276,8 @@ def test_number_arguments_refuse_bools(call, match):
     (pagedkv.checks' rule), as the int arguments always did."""
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_system_prompt_fraction_refuses_a_bool():
+    with pytest.raises(ValueError, match=r"system_prompt_frac must be in \[0, 1\], got True"):
+        load_workload("sharegpt", 4, system_prompts=1, system_prompt_len=8, system_prompt_frac=True)

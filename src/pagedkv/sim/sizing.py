@@ -501,7 +501,7 @@ def kv_budget_bytes(gpu_mem_gib: float, util: float, weights_gib: float) -> int:
     Memory sizes above ``MAX_MEMORY_GIB`` (1 PiB) are refused as typos."""
     for name, v in (("gpu_mem_gib", gpu_mem_gib), ("weights_gib", weights_gib)):
         _check_gib(name, v, zero_ok=True)
-    if not isinstance(util, (int, float)) or not 0 < util <= 1:
+    if number_at_least("util", util, 0.0, strict=True, expected="in (0, 1]") > 1:
         raise ValueError(f"util must be in (0, 1], got {util!r}")
     budget = gpu_mem_gib * util - weights_gib
     if budget <= 0:

@@ -335,7 +335,7 @@ class _Shared:
     def __post_init__(self) -> None:
         int_at_least("system_prompts", self.count, 0)
         int_at_least("system_prompt_len", self.length, 0)
-        if not isinstance(self.frac, (int, float)) or not 0.0 <= self.frac <= 1.0:
+        if number_at_least("system_prompt_frac", self.frac, 0.0, expected="in [0, 1]") > 1:
             raise ValueError(f"system_prompt_frac must be in [0, 1], got {self.frac!r}")
         if self.frac > 0 and (self.count < 1 or self.length < 1):
             raise ValueError("system_prompt_frac > 0 needs system_prompts >= 1 and system_prompt_len >= 1")
