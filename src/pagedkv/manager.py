@@ -36,7 +36,7 @@ from typing import Any, Collection, Hashable, Iterable, Sequence
 
 import numpy as np
 
-from .eventlog import EventLog
+from .pending_events import EventLog
 from .hashing import MAX_TOKEN_ID, BlockHasher, BlockKey, ExtraKeys, token_bytes
 from .host_tier import WRITE_POLICIES, HostTier
 from .checks import as_int

@@ -37,7 +37,7 @@ from ..sim import sizing
 from ..sim.costmodel import H100_BF16_FLOPS, H100_HBM_BYTES_PER_S, CostModel
 from ..sim.routers import (DEFAULT_EPS, DEFAULT_KEY_TOKENS, DEFAULT_VNODES, ROUTERS, SGLANG_BALANCE_ABS,
                            SGLANG_BALANCE_REL, SGLANG_CACHE_THRESHOLD, make_router)
-from ..tables import Table
+from ..report.tables import Table
 from . import (
     UsageError,
     add_data_dir_argument,

@@ -33,7 +33,7 @@ from ..sim.baselines import ALLOCATORS, make_allocator
 from ..sim.costmodel import A100_40GB_HBM_BYTES_PER_S, A100_BF16_FLOPS, CostModel
 from ..sim.metrics import compute
 from ..sim.scheduler import GUARD_PRESETS, simulate
-from ..tables import Table
+from ..report.tables import Table
 from . import (
     UsageError,
     add_data_dir_argument,

@@ -28,7 +28,7 @@ from ..sim.sizing import (
     spec_from_config,
 )
 from ..sim.page_layout import equal_page_layout, vllm_group_layers
-from ..tables import Table
+from ..report.tables import Table
 from . import UsageError, check_int, check_number, emit, reports_errors
 
 __all__ = ["add_arguments", "run"]

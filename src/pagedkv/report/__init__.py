@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-from ..tables import Section
+from .tables import Section
 from .options import ReportOptions
 
 __all__ = ["SECTIONS", "TRACE_SECTIONS", "ReportOptions", "build_report", "write_report", "render_text"]
