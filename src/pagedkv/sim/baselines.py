@@ -178,6 +178,7 @@ class KVAllocator(ABC):
     capacity: int = 0
     last_hit_tokens: int = 0  # prompt tokens served from a cache by the last admit
     block_size: int = 1  # tokens a block holds; 1 for an allocator that places token slots
+    num_blocks: int = 0  # blocks the allocator pages; 0 when it places token slots (a reservation)
     copies: int = 0  # copy-on-write block copies so far
     coalesces: bool = False  # True: max_steps and step_n run many decode steps in one call
 
@@ -200,11 +201,6 @@ class KVAllocator(ABC):
     @abstractmethod
     def kv_tokens(self) -> int:
         """Token states attention reads per step: the sum of running sequence lengths."""
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks the allocator pages; 0 when it places token slots (a reservation)."""
-        return 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -498,6 +494,7 @@ class ManagerAllocator(KVAllocator):
                                 host_write_policy=host_write_policy)
         self.name = name
         self.block_size = block_size
+        self.num_blocks = num_blocks
         self.capacity = num_blocks * block_size
         self.watermark_blocks = int(watermark * num_blocks)
         self._kv_tokens = 0
@@ -510,10 +507,6 @@ class ManagerAllocator(KVAllocator):
     @property
     def kv_tokens(self) -> int:
         return self._kv_tokens
-
-    @property
-    def num_blocks(self) -> int:
-        return self.m.num_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -538,6 +531,25 @@ class ManagerAllocator(KVAllocator):
         except OutOfBlocks:  # nothing changed
             return False
         return True
+
+    def append_generated(self, entries: Sequence) -> int:
+        """One decode step: append to every sequence of ``entries`` (each with ``seqs``, their
+        generation ``keys`` and the common ``length``) its next generated token, in one
+        ``append_batch``, and count the copy-on-write copies it scheduled. Returns the tokens
+        appended; ``OutOfBlocks`` (atomic: nothing changed) when the blocks run out, and the
+        scheduler preempts and retries. The caller advances each entry's ``length``."""
+        ids: list[str] = []
+        keys: list[int] = []
+        pos: list[int] = []
+        for e in entries:
+            ids += e.seqs
+            keys += e.keys
+            pos += [e.length] * len(e.seqs)
+        toks = generated_tokens(np.array(keys, dtype=np.uint64), np.array(pos, dtype=np.uint64))
+        self.m.append_batch(ids, toks)
+        self.copies += len(self.m.take_copies())
+        self._kv_tokens += len(ids)
+        return len(ids)
 
     def freeable_blocks(self, req_id: str) -> int:
         """Blocks that preempting ``req_id`` would return to the free pool, read from the manager.
@@ -657,26 +669,16 @@ class PagedAllocator(ManagerAllocator):
         st.reorg_at = st.length
 
     def step(self, req_ids: Sequence[str]) -> int:
-        ids: list[str] = []
-        keys: list[int] = []
-        pos: list[int] = []
         sts = [self._reqs[r] for r in req_ids]
         beams = [st for st in sts if st.req.beam_width > 1 and st.reorg_at != st.length]
         if beams:
             picks = self.beams.select_many([st.scores for st in beams], [st.req.beam_width for st in beams])
             for st, (parents, scores) in zip(beams, picks):
                 self._reorganise_beams(st, parents, scores)
-        for st in sts:
-            ids += st.seqs
-            keys += st.keys
-            pos += [st.length] * len(st.seqs)
-        toks = generated_tokens(np.array(keys, dtype=np.uint64), np.array(pos, dtype=np.uint64))
-        self.m.append_batch(ids, toks)  # OutOfBlocks: atomic, the scheduler preempts and retries
-        self.copies += len(self.m.take_copies())
+        appended = self.append_generated(sts)
         for st in sts:
             st.length += 1
-        self._kv_tokens += len(ids)
-        return len(ids)
+        return appended
 
     def release(self, req_id: str) -> None:
         st = self._reqs.pop(req_id)

@@ -25,10 +25,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Iterable, Sequence
 
-import numpy as np
-
 from ..checks import require
-from .baselines import ManagerAllocator, generated_tokens, recomputed_prompt, seq_key
+from .baselines import ManagerAllocator, recomputed_prompt, seq_key
 from .request import Request
 
 __all__ = ["SampleAllocator", "split_samples"]
@@ -114,22 +112,12 @@ class SampleAllocator(ManagerAllocator):
 
     def step(self, req_ids: Sequence[str]) -> int:
         entries = [self._reqs[r] for r in req_ids]
-        ids: list[str] = []
-        keys: list[int] = []
-        pos: list[int] = []
-        for e in entries:
-            ids += e.seqs
-            keys += e.keys
-            pos += [e.length] * len(e.seqs)
-        toks = generated_tokens(np.array(keys, dtype=np.uint64), np.array(pos, dtype=np.uint64))
-        self.m.append_batch(ids, toks)  # OutOfBlocks: atomic, the scheduler preempts and retries
-        self.copies += len(self.m.take_copies())
+        appended = self.append_generated(entries)
         for rid, e in zip(req_ids, entries):
             if e.length == e.req.prompt_len:
                 self._unfresh(rid)
             e.length += 1
-        self._kv_tokens += len(ids)
-        return len(ids)
+        return appended
 
     def release(self, req_id: str) -> None:
         self._unfresh(req_id)
