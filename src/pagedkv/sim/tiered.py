@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..checks import int_at_least, optional_int_at_least
+from ..checks import int_at_least, optional_int_at_least, require
 from ..types import TO_HOST
 from . import sizing
 from .baselines import ManagerAllocator, PagedAllocator
@@ -240,5 +240,6 @@ class TieredAllocator(PagedAllocator):
         m = self.m
         m.check_invariants()
         running = [r for r in self._live if r not in self._swapped]
-        assert self.kv_tokens == sum(m.num_tokens(s) for r in running for s in self.seq_ids(r))
-        assert self._swapped_tokens == sum(self._swapped.values())
+        read = sum(m.num_tokens(s) for r in running for s in self.seq_ids(r))
+        require(self.kv_tokens == read, f"{self.kv_tokens} token states counted as read, running sequences hold {read}")
+        require(self._swapped_tokens == sum(self._swapped.values()), "swapped-out token count out of step")
