@@ -48,7 +48,7 @@ class Guards:
         PR #44594 measured preemptions falling from 1,065 (off) to 400 (0.02) and 187 (0.05) on
         a saturated long-output benchmark (their measurement, not ours). The paged allocator has
         its own ``watermark`` argument (1% by default), applied inside ``admit``; this one is the
-        scheduler's, for any allocator backed by a :class:`~pagedkv.KVCacheManager`.
+        scheduler's, for any allocator that pages (``num_blocks`` > 0; a reservation has none).
     """
 
     newest_first: bool = True

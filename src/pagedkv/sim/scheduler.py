@@ -42,12 +42,22 @@ time or gets further than it ever got for ``stall_limit`` iterations, the run st
 a livelock (:class:`Livelock`, carrying the partial :class:`SimResult`), with counters:
 preemptions (per request too), futile preemptions, recomputed and discarded tokens.
 
+**What this module owns**: the loop and its per-run state (``_Run``: the queues, the
+per-request records, the counters), :class:`Server` (one replica's loop advanced from
+outside), :func:`simulate` (a ``Server`` run to its end) and :class:`Livelock`. It asks every
+allocator the same questions through :class:`~pagedkv.sim.baselines.KVAllocator`, whose
+defaults fit an allocator without blocks, host tier or sharing, so it imports no manager and
+never asks what kind of allocator it holds. The switches are :mod:`pagedkv.sim.guards`', the
+result records :mod:`pagedkv.sim.records`', the terminal bar :mod:`pagedkv.sim.progress`' (the
+loop only reports to a callback); their names are re-exported here.
+
 Preemption is recompute (vLLM v1's mode) unless the allocator can swap: :meth:`_Run.preempt` is
 the one place a victim leaves the device. An allocator with a host tier
 (:class:`~pagedkv.sim.tiered.TieredAllocator`) may take the victim with ``swap_out``; it then
 waits at the head of the queue and comes back with ``swap_in`` before any new admission, with
 every token it had. Such an allocator also prices each iteration's block transfers
-(``take_transfer_seconds(compute_s)``: the time the iteration waits for them beyond its compute).
+(``take_transfer_seconds(compute_s)``: the time the iteration waits for them beyond its compute;
+0.0 for every other allocator, so the loop adds it to every iteration).
 """
 from __future__ import annotations
 
