@@ -506,13 +506,17 @@ class ManagerAllocator(KVAllocator):
 
     @property
     def kv_tokens(self) -> int:
+        """Token states the running sequences hold (a block shared by two counts twice: attention
+        reads it for each)."""
         return self._kv_tokens
 
     @property
     def num_free_blocks(self) -> int:
+        """The manager's free blocks, cached-free prefix blocks included (they are evictable)."""
         return self.m.num_free_blocks
 
     def usage(self) -> Usage:
+        """The manager's usage snapshot (prefix hits, sharing, copy-on-write, forks)."""
         return self.m.usage()
 
     def room_for(self, num_tokens: int, busy: bool) -> bool:
