@@ -56,7 +56,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..checks import int_at_least, require
+from ..checks import int_at_least, number_at_least, require
 from ..manager import KVCacheManager
 from ..types import OutOfBlocks, Usage
 from .buddy import BuddyAllocator, order_for
@@ -267,8 +267,7 @@ class _Reservation:
 
 def pow2_ceil(n: int) -> int:
     """Smallest power of two >= ``n``, and 0 for 0: ``pow2_ceil(25) == 32``, ``pow2_ceil(32) == 32``."""
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be an int >= 0, got {n!r}")
+    n = int_at_least("n", n, 0)
     return 0 if n == 0 else 1 << order_for(n)
 
 
@@ -291,8 +290,7 @@ class ReservationAllocator(KVAllocator):
     def __init__(self, capacity: int, policy: str, max_len: int = 2048, exact: bool = False) -> None:
         if policy not in ("max", "pow2", "oracle"):
             raise ValueError(f"policy must be max, pow2 or oracle, got {policy!r}")
-        if not isinstance(max_len, int) or max_len < 1:
-            raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+        max_len = int_at_least("max_len", max_len, 1)
         self.buddy = BuddyAllocator(capacity, exact=exact)
         self.capacity = capacity
         self.policy = policy
@@ -415,8 +413,8 @@ class BeamModel:
     """
 
     def __init__(self, seed: int = 0, alpha: float = 0.3, vocab: int = 32) -> None:
-        if not alpha > 0 or not isinstance(vocab, int) or vocab < 2:
-            raise ValueError(f"need alpha > 0 and vocab >= 2, got {alpha!r}, {vocab!r}")
+        number_at_least("alpha", alpha, 0.0, strict=True)
+        vocab = int_at_least("vocab", vocab, 2)
         self.rng = np.random.default_rng(seed)
         self.alpha = alpha
         self.vocab = vocab
@@ -709,8 +707,8 @@ def make_allocator(name: str, num_blocks: int, block_size: int = 16, max_len: in
     """
     if name not in ALLOCATORS:
         raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}, got {name!r}")
-    if not isinstance(num_blocks, int) or num_blocks < 1 or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"num_blocks and block_size must be positive ints, got {num_blocks!r}, {block_size!r}")
+    num_blocks = int_at_least("num_blocks", num_blocks, 1)
+    block_size = int_at_least("block_size", block_size, 1)
     if name == "paged":
         if exact:
             raise ValueError("exact=True applies to the reservation baselines (max, pow2, oracle), not paged")

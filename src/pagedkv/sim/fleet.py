@@ -44,6 +44,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..checks import int_at_least
 from ..types import OutOfBlocks
 from .baselines import ManagerAllocator, generated_tokens, seq_key
 from .costmodel import CostModel
@@ -66,8 +67,10 @@ def wire_available() -> bool:
 
 def replica_names(n: int) -> list[str]:
     """``["r0", "r1", ...]``: the names a fleet of ``n`` replicas gets (the ring hashes them)."""
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"a fleet needs at least one replica, got {n!r}")
+    try:
+        n = int_at_least("replicas", n, 1)
+    except ValueError:
+        raise ValueError(f"a fleet needs at least one replica, got {n!r}") from None
     return [f"r{i}" for i in range(n)]
 
 
@@ -334,8 +337,7 @@ def run_fleet(requests: Sequence[Request], router: Router, replicas: int, num_bl
     names = replica_names(replicas)
     if not isinstance(router, Router):
         raise ValueError(f"router must be a Router, got {type(router).__name__}")
-    if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
-        raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+    num_blocks = int_at_least("num_blocks", num_blocks, 1)
     reqs = sorted(requests, key=lambda r: r.arrival)
     if any(not isinstance(r, Request) for r in reqs):
         raise ValueError("requests must be Request objects")
