@@ -47,7 +47,7 @@ from pagedkv.sim.fleet import ReplicaAllocator, run_fleet
 from pagedkv.sim.routers import make_router
 from pagedkv.sim.scheduler import check_fits, clip_request
 from pagedkv.sim.traces import load_mooncake_jsonl, trace_path
-from pagedkv.tables import Table
+from pagedkv.report.tables import Table
 
 __all__ = ["FULL", "QUICK", "ROUTERS", "growth_exponent", "measure", "measure_cli", "plan_runs", "main"]
 

@@ -164,3 +164,13 @@ class BuddyMachine(RuleBasedStateMachine):
 
 
 TestBuddyMachine = BuddyMachine.TestCase
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: BuddyAllocator(True), "num_slots must be a positive int"),
+    (lambda: BuddyAllocator(64).alloc(True), "size must be a positive int"),
+])
+def test_bools_are_not_sizes(call, match):
+    """``True`` is an int to Python but never a slot count: refused like any non-int."""
+    with pytest.raises(ValueError, match=match):
+        call()

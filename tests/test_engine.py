@@ -14,7 +14,8 @@ from pagedkv import KVCacheManager, OutOfBlocks
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from pagedkv.engine import Engine, _log_softmax  # noqa: E402
+from pagedkv.engine import Engine  # noqa: E402
+from pagedkv.engine.prompt_loop import log_softmax as _log_softmax  # noqa: E402
 
 pytestmark = pytest.mark.oracle  # every test here runs the transformers model (as oracle or weights)
 

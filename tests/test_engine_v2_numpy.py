@@ -360,3 +360,19 @@ def test_a_draft_model_without_blocks_proposes_nothing_and_generation_goes_on(mo
     assert max_error(model, prompts, engine.generate(prompts, 6)) < ATOL
     assert engine.stats.draft_tokens == 0 and spec.proposed == 0 and spec.forwards == 0
     assert spec.manager.num_free_blocks == 2
+
+
+def test_the_engine_reads_back_its_options_and_refuses_to_change_them(model):
+    """Each option is held by the part that uses it (the executor or the step loop); the engine
+    reads it from there, and an assignment after construction fails loudly instead of leaving the
+    loop's checks behind."""
+    spec = NgramDrafter(3)
+    engine = Engine(model, KVCacheManager(64, 16), token_budget=32, chunk_size=8, speculator=spec)
+    assert (engine.token_budget, engine.chunk_size, engine.speculator, engine.copy_on_write,
+            engine.run_transfers, engine.publish_at_admission, engine.preemption) == (
+        32, 8, spec, True, True, False, "recompute")
+    assert engine.uses_step_loop and not Engine(model, KVCacheManager(64, 16)).uses_step_loop
+    for name in ("token_budget", "copy_on_write", "preemption"):
+        with pytest.raises(AttributeError):
+            setattr(engine, name, None)
+    assert engine.token_budget == 32

@@ -35,6 +35,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -983,3 +984,12 @@ def test_replay_from_a_silent_endpoint_times_out():
     finally:
         silent.close()
         ctx.term()
+
+
+def test_numpy_ints_count_as_ints_on_the_wire():
+    """A rank or block size read from a numpy array is an int: the bytes are those of the Python
+    int (one rule for ints everywhere, pagedkv.checks), not a ValueError or a msgspec TypeError."""
+    stored = BlockStored((b"\x01" * 32,), None, tuple(range(4)), 4)
+    want = encode_vllm([stored], 1.0, 3)
+    assert encode_vllm([stored._replace(block_size=np.int64(4))], 1.0, np.int64(3)) == want
+    assert decode_vllm(want)[2] == 3

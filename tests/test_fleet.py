@@ -378,7 +378,7 @@ def test_published_figures_sit_next_to_precise_vs_ring_and_round_robin_only_wher
     """Issue 11 asks for the precise router against the ring: every source's row says so; a second
     row against round-robin exists exactly for the sources whose own baseline is round-robin."""
     from pagedkv.report.fleet import PUBLISHED, _published_table
-    from pagedkv.tables import Section
+    from pagedkv.report.tables import Section
 
     rows = {name: {"hit_rate": hit, "ttft_p90_s": p90, "latency_mean_s": mean, "latency_p99_s": p99}
             for name, hit, p90, mean, p99 in [("precise", 0.2, 0.4, 2.0, 9.0), ("ring", 0.25, 0.8, 3.0, 18.0),

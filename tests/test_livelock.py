@@ -25,7 +25,7 @@ from pagedkv.sim.request import Request
 from pagedkv.sim.samples import SampleAllocator, split_samples
 from pagedkv.sim.scheduler import (GUARD_NAMES, Guards, Livelock, check_fits, freeable_blocks,
                                    simulate)
-from pagedkv.tables import TEXT_WIDTH
+from pagedkv.report.tables import TEXT_WIDTH
 
 FREE = CostModel(kv_bytes_per_token=1, weight_bytes=0, overhead_s=1.0)  # every iteration: ~1 s
 

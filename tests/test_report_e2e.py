@@ -20,7 +20,7 @@ from pagedkv.report import SECTIONS, build_report, write_report
 from pagedkv.report import cow_case, fork_cost
 from pagedkv.report.options import ReportOptions
 from pagedkv.sim.sizing import kv_bytes_per_token
-from pagedkv.tables import TEXT_WIDTH, Section, Table, plain
+from pagedkv.report.tables import TEXT_WIDTH, Section, Table, plain
 
 MIB = 2**20
 MARKUP = re.compile(r":[a-z]+:`|(?<!`)``(?!`)")  # a role, or a literal (not a ``` fence)

@@ -85,3 +85,8 @@ def test_paged_keeps_its_last_block_tail_as_internal_fragmentation(report_json):
         for ours, paper in zip(fig2.SHARE_COLUMNS, fig2.PAPER_COLUMNS):
             assert cols.index(paper) == cols.index(ours) + 1
         assert row[-1] and len(row[-1].split(". ")) <= 2, row[0]  # one sentence per allocator
+
+
+def test_paper_setup_refuses_a_bool_block_size():
+    with pytest.raises(ValueError, match="block_size must be a positive int, got True"):
+        fig2.paper_setup(True)

@@ -33,7 +33,7 @@ from pagedkv.report.options import ReportOptions
 from pagedkv.sim.costmodel import A100_40GB_HBM_BYTES_PER_S
 from pagedkv.sim.request import Request
 from pagedkv.sim.workloads import log_sd_range, over_limit_share
-from pagedkv.tables import Section
+from pagedkv.report.tables import Section
 
 PAPER = fig2.PAPER_TOKEN_SHARE  # references, never results
 

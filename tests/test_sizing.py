@@ -259,3 +259,10 @@ def test_whole_float_config_fields_are_integers():
     spec = spec_from_config({"num_hidden_layers": 32.0, "num_attention_heads": 32, "num_key_value_heads": 8.0,
                              "hidden_size": 4096, "torch_dtype": "bfloat16"})
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (32, 8, 128)
+
+
+def test_util_refuses_a_bool():
+    """``util=True`` would silently mean 100 % of the GPU: refused, as every number argument
+    refuses bools."""
+    with pytest.raises(ValueError, match=r"util must be in \(0, 1\], got True"):
+        kv_budget_bytes(80, True, 10)

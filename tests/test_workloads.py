@@ -264,3 +264,20 @@ def test_no_traces_no_spread(tmp_path):
     from pagedkv.sim.workloads import log_sd_range, measured_log_sds
 
     assert measured_log_sds(tmp_path) == {} and log_sd_range(tmp_path) is None
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: arrival_times(3, True, np.random.default_rng(0)), "rate must be None or a finite number > 0"),
+    (lambda: arrival_times(3, 1.0, np.random.default_rng(0), "gamma", cv=True), "cv must be a finite number > 0"),
+    (lambda: solve_lognormal_mu(True, 10.0, 1.0, 1.0, None), "prompt_mean must be a finite number > 0"),
+])
+def test_number_arguments_refuse_bools(call, match):
+    """``rate=True`` is a bug, not one request per second: every number argument refuses bools
+    (pagedkv.checks' rule), as the int arguments always did."""
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_system_prompt_fraction_refuses_a_bool():
+    with pytest.raises(ValueError, match=r"system_prompt_frac must be in \[0, 1\], got True"):
+        load_workload("sharegpt", 4, system_prompts=1, system_prompt_len=8, system_prompt_frac=True)

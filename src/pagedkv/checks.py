@@ -31,25 +31,34 @@ def as_int(value: Any, what: str) -> int:
         raise ValueError(f"{what} must be an int, got {type(value).__name__}") from None
 
 
-def int_at_least(name: str, value: Any, lo: int = 0) -> int:
-    """An int argument no smaller than ``lo``, returned as a Python int."""
+def int_at_least(name: str, value: Any, lo: int = 0, *, expected: str | None = None) -> int:
+    """An int argument no smaller than ``lo``, returned as a Python int.
+
+    ``expected`` rewords what the error says the value must be, for messages users already match
+    on (``expected="a positive int"``: ``block_size must be a positive int, got 0``); the rule
+    itself never changes."""
     if type(value) is not int:
         if isinstance(value, bool) or not hasattr(value, "__index__") or type(value).__name__ == "bool_":
-            raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+            raise ValueError(f"{name} must be {expected or f'an int >= {lo}'}, got {value!r}")
         value = operator.index(value)
     if value < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+        raise ValueError(f"{name} must be {expected or f'an int >= {lo}'}, got {value!r}")
     return value
 
 
-def optional_int_at_least(name: str, value: Any, lo: int = 0) -> int | None:
-    """``None`` (meaning "no limit" or "the default"), or an int no smaller than ``lo``."""
-    return None if value is None else int_at_least(name, value, lo)
+def optional_int_at_least(name: str, value: Any, lo: int = 0, *, expected: str | None = None) -> int | None:
+    """``None`` (meaning "no limit" or "the default"), or an int no smaller than ``lo``; the error
+    names both choices: ``optional_int_at_least("data_parallel_rank", -1)`` raises
+    ``ValueError: data_parallel_rank must be None or an int >= 0, got -1``."""
+    if value is None:
+        return None
+    return int_at_least(name, value, lo, expected=expected or f"None or an int >= {lo}")
 
 
-def number_at_least(name: str, value: Any, lo: float = 0.0, *, strict: bool = False) -> float:
+def number_at_least(name: str, value: Any, lo: float = 0.0, *, strict: bool = False,
+                    expected: str | None = None) -> float:
     """A finite real number (int or float, numpy scalars welcome, bools refused) that is ``>= lo``,
-    or ``> lo`` when ``strict``; returned as a float."""
+    or ``> lo`` when ``strict``; returned as a float. ``expected`` as for :func:`int_at_least`."""
     ok = not isinstance(value, bool) and type(value).__name__ != "bool_"
     try:
         number = float(value) if ok and hasattr(value, "__float__") and not isinstance(value, str) else None
@@ -57,7 +66,7 @@ def number_at_least(name: str, value: Any, lo: float = 0.0, *, strict: bool = Fa
         number = None
     bound = ">" if strict else ">="
     if number is None or not math.isfinite(number) or number < lo or (strict and number == lo):
-        raise ValueError(f"{name} must be a finite number {bound} {lo:g}, got {value!r}")
+        raise ValueError(f"{name} must be {expected or f'a finite number {bound} {lo:g}'}, got {value!r}")
     return number
 
 

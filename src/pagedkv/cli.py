@@ -15,7 +15,7 @@ import sys
 
 from . import __version__
 from .commands import USAGE_EXIT, WRITE_FAILED_EXIT, one_line
-from .tables import plain
+from .report.tables import plain
 
 COMMANDS = {
     "report": "measure fork cost, copy-on-write and memory waste (the main job)",

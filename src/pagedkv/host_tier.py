@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Hashable, Sequence
 
-from .eventlog import EventLog
+from .pending_events import EventLog
 from .pool import BlockPool
 from .prefix_cache import PrefixCache
 from .types import TO_DEVICE, TO_HOST, OutOfBlocks, Transfer

@@ -4,8 +4,8 @@ A hybrid model (gpt-oss, Gemma 3, Llama 4, Command R7B) mixes layers that attend
 context with layers that attend only to a window of it. A group of layers that share one spec
 needs the K/V of exactly the positions its next query reads; every block wholly below them can go
 back to the pool. This module is that rule and nothing else: three frozen value objects, with no
-state and no imports from the rest of pagedkv, so the allocator, the sizing tables and the
-simulator all ask the same questions of them (contract v3, docs/design.md section 3.12).
+state and no imports from the rest of pagedkv but :mod:`pagedkv.checks`, so the allocator, the
+sizing tables and the simulator all ask the same questions of them (contract v3, docs/design.md section 3.12).
 
 Semantics are transformers' (``masking_utils``): a query at position q reads
 
@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
+from .checks import int_at_least
+
 __all__ = [
     "AttentionSpec",
     "FullAttention",
@@ -31,16 +33,6 @@ __all__ = [
     "ChunkedLocalAttention",
     "check_groups",
 ]
-
-
-def _positive(name: str, value: Any) -> int:
-    """A window or chunk length: an int >= 1 (numpy ints welcome; bools and floats refused)."""
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    value = value.__index__()
-    if value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value}")
-    return value
 
 
 class AttentionSpec:
@@ -101,7 +93,7 @@ class SlidingWindow(AttentionSpec):
     kind: ClassVar[str] = "sliding_window"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "window", _positive("window", self.window))
+        object.__setattr__(self, "window", int_at_least("window", self.window, 1))
 
     @property
     def sliding_window(self) -> int | None:
@@ -119,7 +111,7 @@ class ChunkedLocalAttention(AttentionSpec):
     kind: ClassVar[str] = "chunked_local_attention"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "chunk", _positive("chunk", self.chunk))
+        object.__setattr__(self, "chunk", int_at_least("chunk", self.chunk, 1))
 
     def first_read(self, q: int) -> int:
         return q - q % self.chunk

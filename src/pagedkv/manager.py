@@ -42,7 +42,7 @@ from typing import Any, Hashable, Iterable, Sequence
 
 import numpy as np
 
-from .eventlog import EventLog
+from .pending_events import EventLog
 from .hashing import MAX_TOKEN_ID, BlockHasher, ExtraKeys, HashMemo
 from .host_tier import WRITE_POLICIES, HostTier
 from .checks import as_int

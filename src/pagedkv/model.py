@@ -33,6 +33,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from .checks import int_at_least, number_at_least
 from .store import KVStore
 
 __all__ = ["LlamaDims", "PagedLlama", "causal_attention"]
@@ -49,8 +50,7 @@ def _is_torch(x: Any) -> bool:
 
 
 def _check_positive_number(name: str, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float, np.floating)) or not 0 < v < float("inf"):
-        raise ValueError(f"{name} must be a positive finite number, got {v!r}")
+    number_at_least(name, v, 0.0, strict=True, expected="a positive finite number")
 
 
 @dataclass(frozen=True)
@@ -74,8 +74,7 @@ class LlamaDims:
     def __post_init__(self) -> None:
         for f in fields(self)[:7]:
             v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f"{f.name} must be a positive int, got {v!r}")
+            int_at_least(f.name, v, 1, expected="a positive int")
         _check_positive_number("rope_theta", self.rope_theta)
         _check_positive_number("rms_norm_eps", self.rms_norm_eps)
         if self.num_heads % self.num_kv_heads:
@@ -313,8 +312,7 @@ class PagedLlama:
         """
         if not isinstance(dims, LlamaDims):
             raise ValueError(f"dims must be a LlamaDims, got {type(dims).__name__}")
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        int_at_least("seed", seed, 0)
         _check_positive_number("init_std", init_std)
         rng = np.random.default_rng(seed)
         shapes = dict(_weight_shapes(dims))

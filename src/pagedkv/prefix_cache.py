@@ -23,7 +23,7 @@ pool's eviction hook is this cache's :meth:`evicted`, wired here only. Here live
   ``forget_twins(blocks)``: the owner's last reference to these blocks is going.
 * ``unpublish(blocks)``: forget blocks whose K/V will never be written.
 * events (``BlockStored`` / ``BlockRemoved``, tagged with this cache's ``medium``), each carrying
-  hashes, written to the manager's :class:`~pagedkv.eventlog.EventLog` so that an external router
+  hashes, written to the manager's :class:`~pagedkv.pending_events.EventLog` so that an external router
   can mirror which prefixes each tier holds; and the hit statistics.
 
 Blocks of a request with extra keys (LoRA, multimodal items, salt) are published with one
@@ -37,7 +37,7 @@ from __future__ import annotations
 from itertools import chain, repeat
 from typing import Any, Callable, Hashable, Iterable, Sequence
 
-from .eventlog import EventLog
+from .pending_events import EventLog
 from .pool import BlockPool
 
 __all__ = ["PrefixCache"]
@@ -383,7 +383,7 @@ def _lora(key) -> str | None:
 
 
 def _raw(hashes: tuple, parent: Hashable, tokens, block_size: int, medium: str, keys) -> tuple:
-    """A raw ``BlockStored`` (see :class:`~pagedkv.eventlog.EventLog`): five fields, or seven
+    """A raw ``BlockStored`` (see :class:`~pagedkv.pending_events.EventLog`): five fields, or seven
     when a block has extra keys: then the run's LoRA name and one vLLM ``extra_keys`` entry per
     block (None for a block without keys), as vLLM 0.33 publishes them. A run without any keys
     leaves ``extra_keys`` out, which a consumer reads as every entry None."""

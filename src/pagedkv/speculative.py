@@ -16,6 +16,9 @@ called by the engine with the target's sequence ids:
 followed the last occurrence of the current suffix are a good guess). :class:`DraftModelDrafter`
 runs a smaller :class:`~pagedkv.model.PagedLlama` greedily over its own manager and store, and
 rolls its own drafts back with ``accept`` the same way the target does. Both need numpy only.
+
+May import numpy, :mod:`pagedkv.checks` and :mod:`pagedkv.types`: a drafter drives its manager
+and model through their public calls and never imports the engine that calls it.
 """
 from __future__ import annotations
 
@@ -23,17 +26,12 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
+from .checks import int_at_least
 from .types import OutOfBlocks
 
 __all__ = ["NgramDrafter", "DraftModelDrafter", "ngram_drafts"]
 
 Batch = Sequence[tuple[Hashable, Sequence[int], int]]
-
-
-def _positive_int(name: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    return int(v)
 
 
 def ngram_drafts(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
@@ -70,9 +68,9 @@ class NgramDrafter:
     """
 
     def __init__(self, num_drafts: int = 4, max_ngram: int = 3, min_ngram: int = 1) -> None:
-        self.num_drafts = _positive_int("num_drafts", num_drafts)
-        self.max_ngram = _positive_int("max_ngram", max_ngram)
-        self.min_ngram = _positive_int("min_ngram", min_ngram)
+        self.num_drafts = int_at_least("num_drafts", num_drafts, 1)
+        self.max_ngram = int_at_least("max_ngram", max_ngram, 1)
+        self.min_ngram = int_at_least("min_ngram", min_ngram, 1)
         if self.min_ngram > self.max_ngram:
             raise ValueError(f"min_ngram {min_ngram} > max_ngram {max_ngram}")
 
@@ -104,9 +102,8 @@ class DraftModelDrafter:
     """
 
     def __init__(self, model: Any, manager: Any, num_drafts: int = 4, store: Any = None) -> None:
-        self.num_drafts = _positive_int("num_drafts", num_drafts)
-        usage = getattr(manager, "usage", None)
-        if callable(usage) and getattr(usage(), "host_blocks", 0):
+        self.num_drafts = int_at_least("num_drafts", num_drafts, 1)
+        if manager.num_host_blocks:
             # this drafter runs no host transfers: a host prefix hit would read unloaded blocks
             raise ValueError("the draft manager must have no host tier (host_blocks=0)")
         if store is None:

@@ -34,6 +34,8 @@ __all__ = [
     "check_out_file",
     "check_data_dir",
     "check_model",
+    "kv_memory",
+    "MAX_BLOCKS",
     "one_line",
     "OutputError",
     "write_text_atomically",
@@ -44,6 +46,11 @@ __all__ = [
 
 USAGE_EXIT = 2  # argparse's exit status for a usage error; every subcommand uses it
 WRITE_FAILED_EXIT = 1  # the work ran, its output could not be written (disk full, I/O error)
+# What one simulated replica can hold in memory and time on a laptop: the manager keeps about 8
+# bytes per block before any sequence (16M blocks: ~130 MB; 1e6 GiB of Llama-3.1-8B KV would be
+# 4 GB), and slot ids are int32.
+MAX_BLOCKS = 1 << 24
+MAX_SLOTS = (1 << 31) - 1
 
 
 class UsageError(ValueError):
@@ -251,3 +258,48 @@ def check_model(flag: str, name: str):
                          f"these serving runs would size as uniform; pagedkv size {spec.name} shows "
                          "its grouped KV")
     return spec
+
+
+def kv_memory(args, per: str = ""):
+    """``(num_blocks, cost model)`` of one replica for the ``--model``, the GPU flags and
+    ``--block-size`` that ``simulate`` and ``fleet`` share: the KV memory is ``--kv-gib``, or what
+    the weights leave of ``--gpu-mem-gib x --util``; the cost model prices steps on that GPU.
+
+    Refused with a :class:`UsageError` naming the flag: a model whose weights cannot be estimated
+    (mixture-of-experts, MLA), weights that leave nothing for KV, a memory without room for one
+    block, or more blocks than one simulated replica holds (:data:`MAX_BLOCKS`, and slot ids
+    must fit int32). ``per`` qualifies the block count in the message (``" per replica"``).
+    Worked example: Llama-3.1-8B (14.96 GiB of weights) on 80 GiB at 0.9 leaves 72 - 14.96 =
+    57.04 GiB of KV: 29,206 blocks of 16 tokens at 2 MiB each.
+    """
+    from ..sim import sizing
+    from ..sim.costmodel import CostModel
+
+    spec = check_model("--model", args.model)
+    weights = sizing.estimate_weight_bytes(spec)
+    if weights is None:
+        raise UsageError(f"--model {spec.name}: cannot estimate the weights of a mixture-of-experts "
+                         "or MLA model; choose a dense model")
+    size = sizing.kv_size(spec, block_size=args.block_size)
+    if args.kv_gib is not None:
+        cap = sizing.fit_blocks(size, kv_budget_gib=args.kv_gib)
+    else:
+        if args.gpu_mem_gib * args.util - weights / sizing.GIB <= 0:
+            raise UsageError(f"--gpu-mem-gib {args.gpu_mem_gib:g} x --util {args.util:g} leaves nothing "
+                             f"for KV after {spec.name}'s {weights / sizing.GIB:.2f} GiB of weights")
+        cap = sizing.fit_blocks(size, gpu_mem_gib=args.gpu_mem_gib, util=args.util,
+                                weights_gib=weights / sizing.GIB)
+    flag = f"--kv-gib {args.kv_gib:g}" if args.kv_gib is not None else f"--gpu-mem-gib {args.gpu_mem_gib:g}"
+    if cap.num_blocks < 1:
+        raise UsageError(f"{flag} leaves no room for one block ({size.bytes_per_block / 2**20:g} MiB of "
+                         f"{size.model} KV at block size {args.block_size})")
+    limit = min(MAX_BLOCKS, MAX_SLOTS // args.block_size)
+    if cap.num_blocks > limit:
+        gib = limit * size.bytes_per_block / sizing.GIB
+        raise UsageError(f"{flag} makes {cap.num_blocks:,} blocks{per}; the simulator holds at most {limit:,} "
+                         f"({gib:,.0f} GiB of {size.model} KV at block size {args.block_size}): "
+                         "give a smaller size")
+    cost = CostModel(kv_bytes_per_token=size.bytes_per_token, weight_bytes=weights,
+                     bandwidth=args.bandwidth_tbs * 1e12, peak_flops=args.tflops * 1e12,
+                     overhead_s=args.overhead_ms / 1e3, model=spec.name)
+    return cap.num_blocks, cost

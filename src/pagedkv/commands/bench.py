@@ -17,7 +17,7 @@ import platform
 import time
 from pathlib import Path
 
-from ..tables import TEXT_WIDTH
+from ..report.tables import TEXT_WIDTH
 from . import check_out_file, emit, reports_errors, write_text_atomically
 
 

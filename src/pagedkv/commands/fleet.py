@@ -33,25 +33,24 @@ import json
 import sys
 from pathlib import Path
 
-from ..sim import sizing
 from ..sim.costmodel import H100_BF16_FLOPS, H100_HBM_BYTES_PER_S, CostModel
 from ..sim.routers import (DEFAULT_EPS, DEFAULT_KEY_TOKENS, DEFAULT_VNODES, ROUTERS, SGLANG_BALANCE_ABS,
                            SGLANG_BALANCE_REL, SGLANG_CACHE_THRESHOLD, make_router)
-from ..tables import Table
+from ..report.tables import Table
 from . import (
     UsageError,
     add_data_dir_argument,
     check_gpu_flags,
     check_data_dir,
     check_int,
-    check_model,
     check_number,
     check_out_file,
     emit,
+    kv_memory,
     reports_errors,
     write_text_atomically,
 )
-from .simulate import MAX_BLOCKS, MAX_LEN, SHIPPED_TRACES
+from .simulate import MAX_LEN, SHIPPED_TRACES
 
 __all__ = ["add_arguments", "run", "MAX_REPLICAS", "DEFAULT_REQUESTS"]
 
@@ -168,34 +167,6 @@ def _check_dynamo(args: argparse.Namespace) -> None:
         raise UsageError(f"--indexer-url must be an http:// URL, got {args.indexer_url!r}")
 
 
-def _memory(args: argparse.Namespace) -> tuple[int, CostModel]:
-    """(blocks per replica, cost model) for the chosen model and GPU."""
-    spec = check_model("--model", args.model)
-    weights = sizing.estimate_weight_bytes(spec)
-    if weights is None:
-        raise UsageError(f"--model {spec.name}: cannot estimate the weights of a mixture-of-experts "
-                         "or MLA model; choose a dense model")
-    size = sizing.kv_size(spec, block_size=args.block_size)
-    flag = f"--kv-gib {args.kv_gib:g}" if args.kv_gib is not None else f"--gpu-mem-gib {args.gpu_mem_gib:g}"
-    if args.kv_gib is not None:
-        cap = sizing.fit_blocks(size, kv_budget_gib=args.kv_gib)
-    else:
-        if args.gpu_mem_gib * args.util - weights / sizing.GIB <= 0:
-            raise UsageError(f"--gpu-mem-gib {args.gpu_mem_gib:g} x --util {args.util:g} leaves nothing "
-                             f"for KV after {spec.name}'s {weights / sizing.GIB:.2f} GiB of weights")
-        cap = sizing.fit_blocks(size, gpu_mem_gib=args.gpu_mem_gib, util=args.util,
-                                weights_gib=weights / sizing.GIB)
-    if cap.num_blocks < 1:
-        raise UsageError(f"{flag} leaves no room for one block of {spec.name} KV at block size {args.block_size}")
-    if cap.num_blocks > MAX_BLOCKS:
-        raise UsageError(f"{flag} makes {cap.num_blocks:,} blocks per replica; the simulator holds at most "
-                         f"{MAX_BLOCKS:,}: give a smaller size")
-    cost = CostModel(kv_bytes_per_token=size.bytes_per_token, weight_bytes=weights,
-                     bandwidth=args.bandwidth_tbs * 1e12, peak_flops=args.tflops * 1e12,
-                     overhead_s=args.overhead_ms / 1e3, model=spec.name)
-    return cap.num_blocks, cost
-
-
 def _trace(args: argparse.Namespace) -> tuple[Path, str]:
     """The trace file and its format (``mooncake`` or ``azure``)."""
     from ..sim.traces import detect_format, trace_path
@@ -282,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
     from ..sim.fleet import run_fleet, wire_available
 
     _check(args)
-    num_blocks, cost = _memory(args)
+    num_blocks, cost = kv_memory(args, " per replica")
     path, fmt = _trace(args)
     reqs = _requests(args, path, num_blocks)
     names = list(ROUTERS) if args.router == "all" else ["precise", "dynamo"] if args.router == "dynamo" else [args.router]

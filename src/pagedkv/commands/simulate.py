@@ -28,31 +28,26 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from ..sim import sizing
 from ..sim.baselines import ALLOCATORS, make_allocator
 from ..sim.costmodel import A100_40GB_HBM_BYTES_PER_S, A100_BF16_FLOPS, CostModel
 from ..sim.metrics import compute
 from ..sim.scheduler import GUARD_PRESETS, simulate
-from ..tables import Table
+from ..report.tables import Table
 from . import (
+    MAX_BLOCKS,
     UsageError,
     add_data_dir_argument,
     check_data_dir,
     check_gpu_flags,
     check_int,
-    check_model,
     check_number,
     emit,
+    kv_memory,
     reports_errors,
 )
 
 __all__ = ["add_arguments", "run", "MAX_BLOCKS", "MAX_REQUESTS", "MAX_LEN", "SHIPPED_TRACES"]
 
-# What one run can hold in memory and time on a laptop: the manager keeps about 8 bytes per block
-# before any sequence (16M blocks: ~130 MB; 1e6 GiB of Llama-3.1-8B KV would be 4 GB), and slot ids
-# are int32.
-MAX_BLOCKS = 1 << 24
-MAX_SLOTS = (1 << 31) - 1
 MAX_REQUESTS = 1_000_000
 MAX_LEN = 1 << 20
 # Below one request per 100 s no two requests share the server (a request is served in seconds):
@@ -118,44 +113,6 @@ def _check(args: argparse.Namespace) -> None:
                              "requests/s rounds to 0")
     check_gpu_flags(args)
     check_data_dir("--data-dir", args.data_dir)
-
-
-def _check_capacity(args: argparse.Namespace, num_blocks: int, size: sizing.KVSize) -> None:
-    """Refuse a KV memory the simulator cannot hold, or one that holds not a single block."""
-    flag = f"--kv-gib {args.kv_gib:g}" if args.kv_gib is not None else f"--gpu-mem-gib {args.gpu_mem_gib:g}"
-    block_mib = size.bytes_per_block / 2**20
-    if num_blocks < 1:
-        raise UsageError(f"{flag} leaves no room for one block ({block_mib:g} MiB of {size.model} KV "
-                         f"at block size {args.block_size})")
-    limit = min(MAX_BLOCKS, MAX_SLOTS // args.block_size)
-    if num_blocks > limit:
-        gib = limit * size.bytes_per_block / sizing.GIB
-        raise UsageError(f"{flag} makes {num_blocks:,} blocks; the simulator holds at most {limit:,} "
-                         f"({gib:,.0f} GiB of {size.model} KV at block size {args.block_size}): "
-                         "give a smaller size")
-
-
-def _memory(args: argparse.Namespace) -> tuple[int, CostModel]:
-    """(num_blocks, cost model) for the chosen model and GPU."""
-    spec = check_model("--model", args.model)
-    weights = sizing.estimate_weight_bytes(spec)
-    if weights is None:
-        raise UsageError(f"--model {spec.name}: cannot estimate the weights of a mixture-of-experts "
-                         "or MLA model; choose a dense model")
-    size = sizing.kv_size(spec, block_size=args.block_size)
-    if args.kv_gib is not None:
-        cap = sizing.fit_blocks(size, kv_budget_gib=args.kv_gib)
-    else:
-        budget = args.gpu_mem_gib * args.util - weights / sizing.GIB
-        if budget <= 0:
-            raise UsageError(f"--gpu-mem-gib {args.gpu_mem_gib:g} x --util {args.util:g} leaves nothing "
-                             f"for KV after {spec.name}'s {weights / sizing.GIB:.2f} GiB of weights")
-        cap = sizing.fit_blocks(size, gpu_mem_gib=args.gpu_mem_gib, util=args.util, weights_gib=weights / sizing.GIB)
-    _check_capacity(args, cap.num_blocks, size)
-    cost = CostModel(kv_bytes_per_token=size.bytes_per_token, weight_bytes=weights,
-                     bandwidth=args.bandwidth_tbs * 1e12, peak_flops=args.tflops * 1e12,
-                     overhead_s=args.overhead_ms / 1e3, model=spec.name)
-    return cap.num_blocks, cost
 
 
 def _source(args: argparse.Namespace) -> tuple[str | Path, str]:
@@ -272,7 +229,7 @@ def _table(args: argparse.Namespace, num_blocks: int, cost: CostModel, reqs: lis
 def run(args: argparse.Namespace) -> int:
     """Print the table; 0 on success, 2 with one line on stderr for bad input."""
     _check(args)
-    num_blocks, cost = _memory(args)
+    num_blocks, cost = kv_memory(args)
     reqs, what, notes = _requests(args)
     emit(_table(args, num_blocks, cost, reqs, what, notes).to_text())
     return 0

@@ -27,7 +27,8 @@ from ..sim.sizing import (
     request_kv_bytes,
     spec_from_config,
 )
-from ..tables import Table
+from ..sim.page_layout import equal_page_layout, vllm_group_layers
+from ..report.tables import Table
 from . import UsageError, check_int, check_number, emit, reports_errors
 
 __all__ = ["add_arguments", "run"]
@@ -152,15 +153,17 @@ def _hybrid_tables(args: argparse.Namespace, spec: ModelSpec, budget: int | None
     for i, g in enumerate(group_kv(spec, 0, **kw)):
         groups.add(i, _attention_name(g.attention), g.layers, g.bytes_per_token, g.bytes_per_block)
     cols = ["context tokens", "uniform MiB", "grouped MiB", "saved %"]
+    pages = None
     if budget is not None:
-        cols += ["requests fit, uniform", "requests fit, grouped"]
+        cols += ["requests fit, uniform", "requests fit, grouped", "requests fit, vLLM pages"]
+        pages = equal_page_layout(spec, budget, **kw)
     per_request = Table(f"KV of one request: uniform against grouped ({spec.name})", cols)
     for n in args.contexts:
         uniform = request_kv_bytes(spec, n, grouped=False, **kw)
         grouped = request_kv_bytes(spec, n, **kw)
         row = [n, f"{uniform / 2**20:,.1f}", f"{grouped / 2**20:,.1f}", f"{100 * (1 - grouped / uniform):.1f}"]
         if budget is not None:
-            row += [budget // uniform, budget // grouped]
+            row += [budget // uniform, budget // grouped, pages.requests_fit(n)]
         per_request.add(*row)
     per_request.notes.append(
         "grouped: a sliding-window group holds the blocks its last position read (window W: "
@@ -169,6 +172,12 @@ def _hybrid_tables(args: argparse.Namespace, spec: ModelSpec, budget: int | None
     if budget is not None:
         per_request.notes.append("requests fit = KV budget // bytes per request, each group's blocks "
                                  "sized for its own layers (no page-size padding)")
+        g = vllm_group_layers(spec)
+        per_request.notes.append(
+            f"vLLM pages: one pool of equal pages of {g} layers (vLLM's KV cache groups), "
+            f"{pages.num_tables} block tables per request, {pages.padding_layers} padding layer slots"
+            + (f" ({100 * pages.padding_layers / spec.num_layers:.1f}% of the layers)" if pages.padding_layers else "")
+            + "; the report's hybrid section compares it with separate pools")
     return [groups, per_request]
 
 

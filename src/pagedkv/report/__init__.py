@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-from ..tables import Section
+from .tables import Section
 from .options import ReportOptions
 
 __all__ = ["SECTIONS", "TRACE_SECTIONS", "ReportOptions", "build_report", "write_report", "render_text"]
@@ -23,6 +23,7 @@ SECTIONS: dict[str, str] = {
     "cow_proof": "cow_proof",
     "fig2": "fig2",
     "block_size": "block_size",
+    "hybrid": "hybrid",
     "sharing": "sharing",
     "prefix_hits": "prefix_hits",
     "chunked_spec": "chunked_spec",

@@ -24,7 +24,7 @@ import numpy as np
 from ..manager import KVCacheManager
 from ..sim import sizing
 from ..sim.metrics import compute
-from ..tables import Section, Table
+from .tables import Section, Table
 from .fig2 import PAPER_MAX_LEN, PAPER_MODEL, load, paper_setup, run_one
 from .options import ReportOptions
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..manager import KVCacheManager
 from ..sim.sizing import kv_bytes_per_token
-from ..tables import Section, Table
+from .tables import Section, Table
 from ..types import BlockStored
 from .options import ReportOptions
 

@@ -6,7 +6,7 @@ the copy pair, so the text cannot drift from what the code does.
 from __future__ import annotations
 
 from ..manager import KVCacheManager
-from ..tables import Section
+from .tables import Section
 from .options import ReportOptions
 
 BS = 4  # a small block size keeps the worked case readable

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..tables import Section, Table
+from .tables import Section, Table
 from .options import ReportOptions
 
 KEY, HEADING = "cow_proof", "Copy-on-write, proven on a real decoder"

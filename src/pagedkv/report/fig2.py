@@ -25,13 +25,14 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ..checks import int_at_least
 from ..sim import sizing
 from ..sim.baselines import ALLOCATORS, PAPER_CATEGORIES, make_allocator
 from ..sim.costmodel import A100_40GB_HBM_BYTES_PER_S, A100_BF16_FLOPS, CostModel
 from ..sim.metrics import Metrics, compute
 from ..sim.request import Request
 from ..sim.scheduler import SimResult, simulate
-from ..tables import Section, Table
+from .tables import Section, Table
 from .options import ReportOptions
 
 __all__ = ["section", "PAPER_TOKEN_SHARE", "PAPER_BARS", "paper_setup", "saturated", "load", "prepare", "Prepared",
@@ -71,8 +72,7 @@ def paper_setup(block_size: int = 16) -> tuple[int, CostModel]:
 
     At block size 16: floor(12 x 2**30 / (819,200 x 16)) = 983 blocks = 15,728 slots.
     """
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    block_size = int_at_least("block_size", block_size, 1, expected="a positive int")
     spec = sizing.get_model(PAPER_MODEL)
     cap = sizing.fit_blocks(sizing.kv_size(spec, block_size=block_size), kv_budget_gib=PAPER_KV_GIB)
     cost = CostModel.for_model(PAPER_MODEL, bandwidth=A100_40GB_HBM_BYTES_PER_S, peak_flops=A100_BF16_FLOPS)

@@ -13,7 +13,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Callable
 
-from ..tables import TEXT_WIDTH, Section, plain
+from .tables import TEXT_WIDTH, Section, plain
 
 __all__ = ["Finding", "findings", "anchor", "to_markdown", "to_text", "HEADING"]
 

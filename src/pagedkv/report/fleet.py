@@ -46,7 +46,7 @@ from ..sim.fleet import FleetResult, run_fleet, wire_available
 from ..sim.routers import (DEFAULT_KEY_TOKENS, HashRing, PrefixAwareRouter, RingRouter, RoundRobin, prefix_keys,
                            ring_rsd_theory)
 from ..sim.traces import detect_format, load_mooncake_jsonl, trace_not_found, trace_path
-from ..tables import Section, Table
+from .tables import Section, Table
 from .options import ReportOptions
 
 __all__ = ["section", "vnode_rsd", "REPLICAS", "VNODES", "PUBLISHED"]

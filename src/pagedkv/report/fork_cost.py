@@ -12,7 +12,7 @@ import gc
 import time
 
 from ..manager import KVCacheManager
-from ..tables import Section, Table
+from .tables import Section, Table
 from .options import ReportOptions
 
 LENGTHS = (128, 512, 2048, 8192, 32768)

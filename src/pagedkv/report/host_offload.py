@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import KVCacheManager, OutOfBlocks
+from ..checks import int_at_least
 from ..sim.costmodel import CostModel
 from ..sim.metrics import tail_latency
 from ..sim.request import Request, segment_tokens
@@ -49,7 +50,7 @@ from ..sim.sizing import GIB, kv_budget_bytes, kv_bytes_per_token
 from ..sim.swap_cost import Link, copies_per_block
 from ..sim.tiered import TieredAllocator
 from ..sim.traces import content_key, load_azure_csv, load_mooncake_jsonl, trace_path
-from ..tables import Section, Table
+from .tables import Section, Table
 from ..types import TO_HOST
 from .options import ReportOptions
 
@@ -374,12 +375,9 @@ def shared_prefix_prompts(requests: list[Request], shared_tokens: int, num_promp
     """
     if isinstance(requests, (str, bytes)) or not all(isinstance(r, Request) for r in requests):
         raise ValueError("requests must be a sequence of Request")
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
-    if not isinstance(shared_tokens, int) or isinstance(shared_tokens, bool) or shared_tokens < 0:
-        raise ValueError(f"shared_tokens must be an int >= 0, got {shared_tokens!r}")
-    if not isinstance(num_prompts, int) or isinstance(num_prompts, bool) or num_prompts < 1:
-        raise ValueError(f"num_prompts must be an int >= 1, got {num_prompts!r}")
+    seed = int_at_least("seed", seed, 0)
+    shared_tokens = int_at_least("shared_tokens", shared_tokens, 0)
+    num_prompts = int_at_least("num_prompts", num_prompts, 1)
     pick = np.random.default_rng(seed).integers(0, num_prompts, len(requests))
     out = []
     for r, k in zip(requests, pick.tolist()):

@@ -32,7 +32,7 @@ from ..sim.metrics import tail_latency
 from ..sim.request import Request
 from ..sim.samples import SampleAllocator, split_samples
 from ..sim.scheduler import GUARD_NAMES, Guards, SimResult, simulate
-from ..tables import Section, Table
+from .tables import Section, Table
 from .options import ReportOptions
 
 __all__ = ["section", "thrash_workload", "mixed_workload", "futile_case", "pingpong_case",

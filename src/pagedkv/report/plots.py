@@ -1,7 +1,7 @@
 """PNG plots of report tables (matplotlib, an optional extra: ``pip install "pagedkv[plot]"``).
 
 A table opts in with a ``plot`` hint; this module only draws what the hint names, so a plot can
-never show a number the table does not. The hint (see :class:`~pagedkv.tables.Table`):
+never show a number the table does not. The hint (see :class:`~pagedkv.report.tables.Table`):
 
 - ``name``: the file's stem, short and stable (``fig2_breakdown`` -> ``fig2_breakdown.png``);
 - ``x``, ``y`` (columns), ``kind``: ``"line"``, ``"bar"`` (grouped) or ``"stacked"`` (each row one
@@ -48,7 +48,7 @@ import re
 import textwrap
 from pathlib import Path
 
-from ..tables import Table, fmt
+from .tables import Table, fmt
 
 __all__ = ["plot_available", "plot_table", "plot_name"]
 

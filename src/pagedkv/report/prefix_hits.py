@@ -33,6 +33,7 @@ from typing import Callable, Iterable
 
 
 from .. import KVCacheManager, OutOfBlocks
+from ..checks import int_at_least, optional_int_at_least
 from ..sim.request import Request, segment_tokens
 from ..sim.sizing import GIB, get_model, kv_size
 from ..sim.traces import (
@@ -45,7 +46,7 @@ from ..sim.traces import (
     trace_not_found,
     trace_path,
 )
-from ..tables import Section, Table
+from .tables import Section, Table
 from .options import ReportOptions
 
 __all__ = ["section", "replay", "block_replay", "ideal_hits", "ReplayResult", "MAX_RUNNING"]
@@ -103,8 +104,7 @@ def _append(m: KVCacheManager, running: list, sid: int, tokens) -> None:
 
 def _check_args(num_blocks: int, block_size: int, max_running: int) -> None:
     for name, v in (("num_blocks", num_blocks), ("block_size", block_size), ("max_running", max_running)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+        int_at_least(name, v, 1, expected="a positive int")
 
 
 def _drive(items: Iterable[tuple], n: int, num_blocks: int, block_size: int, max_running: int,
@@ -225,8 +225,7 @@ def ideal_hits(records: list[tuple[int, list[int]]], block_size: int | None = No
     already seen. Otherwise the manager's rules at that block size: ``floor(min(512 k, L - 1) / B) * B``.
     Example: ids [0, 1] then [0, 2] (1024 tokens each) -> (512, 2048) at the trace's granularity.
     """
-    if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
-        raise ValueError(f"block_size must be None or a positive int, got {block_size!r}")
+    block_size = optional_int_at_least("block_size", block_size, 1, expected="None or a positive int")
     seen: set[int] = set()
     hit = total = 0
     for n_in, ids in records:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..tables import Section, Table
+from .tables import Section, Table
 from .fig2 import HEADLINE_LOAD, load, prepare, run_one, serving_rate, spread_range
 from .options import ReportOptions
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from ..sim.costmodel import A100_40GB_HBM_BYTES_PER_S, A100_BF16_FLOPS, H100_BF16_FLOPS, CostModel
 from ..sim.swap_cost import (BLOCK_SIZES, PCIE5_X16_BYTES_PER_S, Link, SwapCost, copies_per_block,
                              crossover_block_size, swap_cost)
-from ..tables import Section, Table
+from .tables import Section, Table
 from .options import ReportOptions
 
 __all__ = ["section", "LATENCIES_US", "TOKENS", "PAPER_FINDING", "MFU", "MFU_SPREAD", "recompute_cost"]

@@ -50,11 +50,13 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
+from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
+from ..checks import int_at_least, number_at_least, require
 from ..manager import KVCacheManager
 from ..types import OutOfBlocks, Usage
 from .buddy import BuddyAllocator, order_for
@@ -65,6 +67,7 @@ __all__ = [
     "Breakdown",
     "KVAllocator",
     "ReservationAllocator",
+    "ManagerAllocator",
     "PagedAllocator",
     "BeamModel",
     "ALLOCATORS",
@@ -146,11 +149,38 @@ class KVAllocator(ABC):
     allow; ``step(req_ids)`` appends one token to every sequence of those requests (the paged
     cache may raise ``OutOfBlocks``, atomically); ``release(req_id)`` frees a finished or
     preempted request; ``breakdown(blocked)`` accounts every slot.
+
+    Everything else the serving loop (:mod:`pagedkv.sim.scheduler`) asks has a default here
+    that fits an allocator without it, so the loop calls every allocator the same way and never
+    asks what kind it holds:
+
+    - ``block_size`` / ``num_blocks`` / ``num_free_blocks``: the paging, for the fit check and
+      the scheduler's watermark guard. A reservation places token slots: block size 1, and
+      ``num_blocks`` 0, which keeps the watermark guard off (it counts blocks).
+    - ``freeable_blocks(req_id)``: blocks preempting the request would free; None (the default)
+      when it frees its whole range, as a reservation does.
+    - ``swap_out`` / ``swap_in``: preemption by swapping; without a host tier ``swap_out``
+      declines (False: the loop recomputes) and nothing is ever swapped out to bring back.
+    - ``take_transfer_seconds(compute_s)``: what an iteration waits for its block transfers
+      beyond its compute; 0.0 without a host link.
+    - ``copies``: copy-on-write block copies so far (0 for an allocator that never shares).
+    - ``coalesces``, ``max_steps(req_ids, limit)``, ``step_n(req_ids, n)``: many decode steps in
+      one call, for :class:`~pagedkv.sim.scheduler.Server`'s ``coalesce=True``; by default
+      memory allows no stretch (``max_steps`` 0) and ``coalesces`` is False.
+
+    Worked example: a Max reservation allocator over 983 x 16 slots reports block size 1,
+    ``num_blocks`` 0 and ``freeable_blocks`` None, so ``Guards(watermark=0.05)`` admits as without
+    the guard and the ``skip_unfreeing`` guard takes its first victim; a paged one over 983
+    blocks of 16 keeps ``int(0.05 x 983) = 49`` blocks free.
     """
 
     name: str = ""
     capacity: int = 0
     last_hit_tokens: int = 0  # prompt tokens served from a cache by the last admit
+    block_size: int = 1  # tokens a block holds; 1 for an allocator that places token slots
+    num_blocks: int = 0  # blocks the allocator pages; 0 when it places token slots (a reservation)
+    copies: int = 0  # copy-on-write block copies so far
+    coalesces: bool = False  # True: max_steps and step_n run many decode steps in one call
 
     @abstractmethod
     def admit(self, req: Request, generated: int = 0) -> bool: ...
@@ -171,6 +201,42 @@ class KVAllocator(ABC):
     @abstractmethod
     def kv_tokens(self) -> int:
         """Token states attention reads per step: the sum of running sequence lengths."""
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks free now (0 when the allocator does not page)."""
+        return 0
+
+    def freeable_blocks(self, req_id: str) -> int | None:
+        """Blocks that preempting ``req_id`` would return to the free pool; None when the
+        allocator frees a request's whole range (a reservation)."""
+        return None
+
+    def swap_out(self, req_id: str) -> bool:
+        """Preempt by swapping the request to a host tier; False (nothing changed: the scheduler
+        recomputes it instead) when the allocator cannot, as one without a host tier never can."""
+        return False
+
+    def swap_in(self, req_id: str) -> bool:
+        """Bring a swapped-out request back; False when the device has no room yet. Only a
+        request ``swap_out`` took can come back: ValueError for any other."""
+        raise ValueError(f"request {req_id} is not swapped out")
+
+    def take_transfer_seconds(self, compute_s: float = 0.0) -> float:
+        """Drain this iteration's block transfers; the seconds the iteration waits for them
+        beyond its ``compute_s`` of compute (0.0: nothing moves over a host link)."""
+        return 0.0
+
+    def max_steps(self, req_ids: Sequence[str], limit: int) -> int:
+        """The most decode steps (at most ``limit``) memory allows all of ``req_ids`` to take in
+        one :meth:`step_n`; 0 by default (no stretch: the scheduler steps one at a time)."""
+        return 0
+
+    def step_n(self, req_ids: Sequence[str], n: int) -> int:
+        """``n`` decode steps of ``req_ids`` (the caller checked :meth:`max_steps`); by default
+        ``step`` ``n`` times. Returns the tokens appended."""
+        n = int_at_least("n", n, 0)
+        return sum(self.step(req_ids) for _ in range(n))
 
     def sharing(self) -> tuple[int, int]:
         """(logical blocks, blocks saved by sharing) now; reservations share nothing."""
@@ -201,8 +267,7 @@ class _Reservation:
 
 def pow2_ceil(n: int) -> int:
     """Smallest power of two >= ``n``, and 0 for 0: ``pow2_ceil(25) == 32``, ``pow2_ceil(32) == 32``."""
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be an int >= 0, got {n!r}")
+    n = int_at_least("n", n, 0)
     return 0 if n == 0 else 1 << order_for(n)
 
 
@@ -225,8 +290,7 @@ class ReservationAllocator(KVAllocator):
     def __init__(self, capacity: int, policy: str, max_len: int = 2048, exact: bool = False) -> None:
         if policy not in ("max", "pow2", "oracle"):
             raise ValueError(f"policy must be max, pow2 or oracle, got {policy!r}")
-        if not isinstance(max_len, int) or max_len < 1:
-            raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+        max_len = int_at_least("max_len", max_len, 1)
         self.buddy = BuddyAllocator(capacity, exact=exact)
         self.capacity = capacity
         self.policy = policy
@@ -349,8 +413,8 @@ class BeamModel:
     """
 
     def __init__(self, seed: int = 0, alpha: float = 0.3, vocab: int = 32) -> None:
-        if not alpha > 0 or not isinstance(vocab, int) or vocab < 2:
-            raise ValueError(f"need alpha > 0 and vocab >= 2, got {alpha!r}, {vocab!r}")
+        number_at_least("alpha", alpha, 0.0, strict=True)
+        vocab = int_at_least("vocab", vocab, 2)
         self.rng = np.random.default_rng(seed)
         self.alpha = alpha
         self.vocab = vocab
@@ -401,19 +465,140 @@ class _PagedReq:
 
 
 class ManagerAllocator(KVAllocator):
-    """An allocator over a real :class:`~pagedkv.KVCacheManager` (``self.m``) that counts the
-    token states its running sequences hold in ``self._kv_tokens``: the paged allocators of the
-    simulator (this module's, :mod:`~pagedkv.sim.samples`' and :mod:`~pagedkv.sim.fleet`'s)."""
+    """An allocator over a real :class:`~pagedkv.KVCacheManager` (``self.m``): the paged
+    allocators of the simulator (this module's, :mod:`~pagedkv.sim.samples`' and
+    :mod:`~pagedkv.sim.fleet`'s). It owns what they share: the manager and its sizes, the
+    admission rule (a prompt is admitted when ``watermark_blocks`` stay free after it, or when
+    nothing else runs), the count of token states their running sequences hold
+    (``_kv_tokens``), copy-on-write copies, the slot breakdown (paged memory has no reservations
+    and no external fragmentation: any free block serves any request), sharing, the
+    freeable-block count of a victim, and the consistency check.
+
+    A subclass names its requests' sequences (``seq_ids``) and keeps its own per-request state.
+    Worked example: ``PagedAllocator(983, 16)`` holds 15,728 slots and keeps
+    ``int(0.01 x 983) = 9`` blocks free at admission while something runs.
+    """
 
     m: KVCacheManager
     _kv_tokens: int = 0
 
+    def __init__(self, num_blocks: int, block_size: int, *, name: str, watermark: float,
+                 enable_prefix_caching: bool = True, hash_algo: str = "sha256", enable_events: bool = False,
+                 host_blocks: int = 0, host_write_policy: str = "write-back") -> None:
+        if not 0 <= watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
+        self.m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
+                                hash_algo=hash_algo, enable_events=enable_events, host_blocks=host_blocks,
+                                host_write_policy=host_write_policy)
+        self.name = name
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.capacity = num_blocks * block_size
+        self.watermark_blocks = int(watermark * num_blocks)
+        self._kv_tokens = 0
+        self.copies = 0
+
+    @abstractmethod
+    def seq_ids(self, req_id: str) -> list[str]:
+        """The manager's ids of the request's live sequences."""
+
     @property
     def kv_tokens(self) -> int:
+        """Token states the running sequences hold (a block shared by two counts twice: attention
+        reads it for each)."""
         return self._kv_tokens
 
+    @property
+    def num_free_blocks(self) -> int:
+        """The manager's free blocks, cached-free prefix blocks included (they are evictable)."""
+        return self.m.num_free_blocks
+
     def usage(self) -> Usage:
+        """The manager's usage snapshot (prefix hits, sharing, copy-on-write, forks)."""
         return self.m.usage()
+
+    def room_for(self, num_tokens: int, busy: bool) -> bool:
+        """The admission rule: ``num_tokens`` of prompt fit with ``watermark_blocks`` left free,
+        or nothing else runs (``busy`` False: a lone request is always tried, so that a prompt
+        larger than the watermark allows can still run alone). 40 tokens in blocks of 16 need 3."""
+        need = -(-num_tokens // self.block_size)
+        return not busy or self.m.num_free_blocks >= need + self.watermark_blocks
+
+    def add_tokens(self, seq_id: str, tokens) -> bool:
+        """Add a sequence with ``tokens`` (a prompt, plus what it generated before a preemption),
+        finding what the prefix cache holds (``last_hit_tokens``); False, with nothing changed,
+        when the manager runs out of blocks."""
+        try:
+            self.last_hit_tokens = self.m.add_sequence(seq_id, tokens)
+        except OutOfBlocks:  # nothing changed
+            return False
+        return True
+
+    def append_generated(self, entries: Sequence) -> int:
+        """One decode step: append to every sequence of ``entries`` (each with ``seqs``, their
+        generation ``keys`` and the common ``length``) its next generated token, in one
+        ``append_batch``, and count the copy-on-write copies it scheduled. Returns the tokens
+        appended; ``OutOfBlocks`` (atomic: nothing changed) when the blocks run out, and the
+        scheduler preempts and retries. The caller advances each entry's ``length``."""
+        ids: list[str] = []
+        keys: list[int] = []
+        pos: list[int] = []
+        for e in entries:
+            ids += e.seqs
+            keys += e.keys
+            pos += [e.length] * len(e.seqs)
+        toks = generated_tokens(np.array(keys, dtype=np.uint64), np.array(pos, dtype=np.uint64))
+        self.m.append_batch(ids, toks)
+        self.copies += len(self.m.take_copies())
+        self._kv_tokens += len(ids)
+        return len(ids)
+
+    def freeable_blocks(self, req_id: str) -> int:
+        """Blocks that preempting ``req_id`` would return to the free pool, read from the manager.
+
+        A block is freed when every reference to it is the request's own: its refcount equals the
+        number of the request's block tables that hold it (1 for a single sequence). A fork that
+        has not written yet shares all its blocks with its parent: 0.
+        """
+        m = self.m
+        held: Counter = Counter()
+        for sid in self.seq_ids(req_id):
+            held.update(m.block_table(sid))
+        return sum(1 for block, refs in held.items() if m.refcount(block) == refs)
+
+    def breakdown(self, blocked: Request | None = None) -> Breakdown:
+        return self.observe(blocked)[0]
+
+    def observe(self, blocked: Request | None = None) -> tuple[Breakdown, int, int]:
+        """Token states, the unused tails of last blocks (internal fragmentation) and free slots
+        (cached-free prefix blocks count as free: they are evictable), from one usage snapshot,
+        with the logical blocks and the blocks sharing saves."""
+        u = self.m.usage()
+        bd = Breakdown(u.stored_tokens, 0, u.allocated_slots - u.stored_tokens, 0,
+                       self.capacity - u.allocated_slots)
+        return bd, u.used_blocks + u.blocks_saved_by_sharing, u.blocks_saved_by_sharing
+
+    def sharing(self) -> tuple[int, int]:
+        return self.observe()[1:]
+
+    def check(self) -> None:
+        """The manager's invariants, and the token states counted here are the manager's."""
+        self.m.check_invariants()
+        require(self._kv_tokens == self.m.usage().logical_tokens,
+                f"{self.name}: {self._kv_tokens} token states counted, the manager holds "
+                f"{self.m.usage().logical_tokens}")
+
+
+def recomputed_prompt(req: Request, seq_id: str, generated: int) -> list[int]:
+    """What a (re)admission prefills: the prompt, plus the ``generated`` tokens the sequence
+    ``seq_id`` produced before a preemption (the same tokens again: they are a function of the
+    sequence and position, :func:`generated_tokens`). A 40-token prompt readmitted after 3
+    tokens: 43 tokens."""
+    prompt = req.prompt_tokens()
+    if generated:
+        pos = np.arange(req.prompt_len, req.prompt_len + generated)
+        prompt += generated_tokens(np.full(generated, seq_key(seq_id), dtype=np.uint64), pos).tolist()
+    return prompt
 
 
 class PagedAllocator(ManagerAllocator):
@@ -429,18 +614,15 @@ class PagedAllocator(ManagerAllocator):
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
                  hash_algo: str = "sha256", watermark: float = 0.01, beam_seed: int = 0) -> None:
-        if not 0 <= watermark < 1:
-            raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
-        self.m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
-                                hash_algo=hash_algo, enable_events=False)
-        self.name = "paged"
-        self.block_size = block_size
-        self.capacity = num_blocks * block_size
-        self.watermark_blocks = int(watermark * num_blocks)
+        super().__init__(num_blocks, block_size, name="paged", watermark=watermark,
+                         enable_prefix_caching=enable_prefix_caching, hash_algo=hash_algo)
+        self._start_requests(beam_seed)
+
+    def _start_requests(self, beam_seed: int) -> None:
+        """The request state on top of the manager (also a tiered subclass's, whose manager
+        has a host tier)."""
         self.beams = BeamModel(beam_seed)
         self._reqs: dict[str, _PagedReq] = {}
-        self._kv_tokens = 0
-        self.copies = 0
 
     def admit(self, req: Request, generated: int = 0) -> bool:
         if req.req_id in self._reqs:
@@ -448,17 +630,10 @@ class PagedAllocator(ManagerAllocator):
         if not 0 <= generated <= req.output_len or (generated and req.num_seqs > 1):
             raise ValueError(f"generated must be in [0, {req.output_len}] (0 for n > 1 / beams)")
         m = self.m
-        need = -(-(req.prompt_len + generated) // self.block_size)
-        if m.num_free_blocks < need + self.watermark_blocks and self._reqs:
-            return False
         root = f"{req.req_id}.0"
-        prompt = req.prompt_tokens()
-        if generated:
-            pos = np.arange(req.prompt_len, req.prompt_len + generated)
-            prompt += generated_tokens(np.full(generated, seq_key(root), dtype=np.uint64), pos).tolist()
-        try:
-            self.last_hit_tokens = m.add_sequence(root, prompt)
-        except OutOfBlocks:  # nothing changed
+        if not self.room_for(req.prompt_len + generated, bool(self._reqs)):
+            return False
+        if not self.add_tokens(root, recomputed_prompt(req, root, generated)):
             return False
         seqs = [root] + [f"{req.req_id}.{i}" for i in range(1, req.n)]
         for child in seqs[1:]:
@@ -496,26 +671,16 @@ class PagedAllocator(ManagerAllocator):
         st.reorg_at = st.length
 
     def step(self, req_ids: Sequence[str]) -> int:
-        ids: list[str] = []
-        keys: list[int] = []
-        pos: list[int] = []
         sts = [self._reqs[r] for r in req_ids]
         beams = [st for st in sts if st.req.beam_width > 1 and st.reorg_at != st.length]
         if beams:
             picks = self.beams.select_many([st.scores for st in beams], [st.req.beam_width for st in beams])
             for st, (parents, scores) in zip(beams, picks):
                 self._reorganise_beams(st, parents, scores)
-        for st in sts:
-            ids += st.seqs
-            keys += st.keys
-            pos += [st.length] * len(st.seqs)
-        toks = generated_tokens(np.array(keys, dtype=np.uint64), np.array(pos, dtype=np.uint64))
-        self.m.append_batch(ids, toks)  # OutOfBlocks: atomic, the scheduler preempts and retries
-        self.copies += len(self.m.take_copies())
+        appended = self.append_generated(sts)
         for st in sts:
             st.length += 1
-        self._kv_tokens += len(ids)
-        return len(ids)
+        return appended
 
     def release(self, req_id: str) -> None:
         st = self._reqs.pop(req_id)
@@ -531,27 +696,6 @@ class PagedAllocator(ManagerAllocator):
         """The manager's ids of the request's live sequences (its samples or surviving beams)."""
         return list(self._reqs[req_id].seqs)
 
-    def breakdown(self, blocked: Request | None = None) -> Breakdown:
-        return self._breakdown(self.m.usage())
-
-    def observe(self, blocked: Request | None = None) -> tuple[Breakdown, int, int]:
-        u = self.m.usage()
-        return self._breakdown(u), u.used_blocks + u.blocks_saved_by_sharing, u.blocks_saved_by_sharing
-
-    def _breakdown(self, u: Usage) -> Breakdown:
-        """Paged memory has no reservations and no external fragmentation: any free block serves
-        any request. Cached-free blocks (prefix cache) count as free: they are evictable."""
-        internal = u.allocated_slots - u.stored_tokens
-        return Breakdown(u.stored_tokens, 0, internal, 0, self.capacity - u.allocated_slots)
-
-    def sharing(self) -> tuple[int, int]:
-        u = self.m.usage()
-        return u.used_blocks + u.blocks_saved_by_sharing, u.blocks_saved_by_sharing
-
-    def check(self) -> None:
-        self.m.check_invariants()
-        assert self._kv_tokens == self.m.usage().logical_tokens
-
 
 def make_allocator(name: str, num_blocks: int, block_size: int = 16, max_len: int = 2048,
                    *, exact: bool = False, **paged_kw) -> KVAllocator:
@@ -563,8 +707,8 @@ def make_allocator(name: str, num_blocks: int, block_size: int = 16, max_len: in
     """
     if name not in ALLOCATORS:
         raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}, got {name!r}")
-    if not isinstance(num_blocks, int) or num_blocks < 1 or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"num_blocks and block_size must be positive ints, got {num_blocks!r}, {block_size!r}")
+    num_blocks = int_at_least("num_blocks", num_blocks, 1)
+    block_size = int_at_least("block_size", block_size, 1)
     if name == "paged":
         if exact:
             raise ValueError("exact=True applies to the reservation baselines (max, pow2, oracle), not paged")

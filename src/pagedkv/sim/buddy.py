@@ -23,6 +23,8 @@ can hold 32 slots. With ``exact=True`` the same ``alloc(5)`` keeps 16..20 and fr
 """
 from __future__ import annotations
 
+from ..checks import int_at_least
+
 __all__ = ["BuddyAllocator", "order_for", "aligned_pieces"]
 
 
@@ -62,8 +64,7 @@ class BuddyAllocator:
     """
 
     def __init__(self, num_slots: int, exact: bool = False) -> None:
-        if not isinstance(num_slots, int) or num_slots < 1:
-            raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
+        num_slots = int_at_least("num_slots", num_slots, 1, expected="a positive int")
         self.num_slots = num_slots
         self.exact = exact
         self.max_order = num_slots.bit_length() - 1
@@ -117,8 +118,7 @@ class BuddyAllocator:
         Classic mode (the default) holds the whole ``2**order_for(size)``; exact mode holds exactly
         ``size`` slots (the tail of the power-of-two block is freed at once).
         """
-        if not isinstance(size, int) or size < 1:
-            raise ValueError(f"size must be a positive int, got {size!r}")
+        size = int_at_least("size", size, 1, expected="a positive int")
         k = order_for(size)
         free = self._free
         for j in range(k, self.max_order + 1):

@@ -20,8 +20,9 @@ sequences averaging 500 tokens: (16.06e9 + 16,000 x 131,072) / 3.35e12 = 5.42 ms
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+
+from ..checks import int_at_least, number_at_least
 
 __all__ = ["CostModel", "H100_HBM_BYTES_PER_S", "H100_BF16_FLOPS", "A100_40GB_HBM_BYTES_PER_S",
            "A100_BF16_FLOPS"]
@@ -44,12 +45,6 @@ def _model_bytes(name: str) -> tuple[int, int]:
     if weights is None:
         raise ValueError(f"cannot estimate the weight bytes of {name}; pass weight_bytes")
     return sizing.kv_bytes_per_token(spec), weights
-
-
-def _positive(name: str, value: float, allow_zero: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name} must be a finite number {'>=' if allow_zero else '>'} 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -76,12 +71,12 @@ class CostModel:
             if self.weight_bytes is None:
                 object.__setattr__(self, "weight_bytes", w)
         for name in ("kv_bytes_per_token", "weight_bytes", "weight_dtype_bytes"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < (name != "weight_bytes"):
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        _positive("bandwidth", self.bandwidth)
-        _positive("peak_flops", self.peak_flops)
-        _positive("overhead_s", self.overhead_s, allow_zero=True)
+            lo = int(name != "weight_bytes")  # a model may have no weights to count
+            value = int_at_least(name, getattr(self, name), lo, expected="a positive int")
+            object.__setattr__(self, name, value)
+        number_at_least("bandwidth", self.bandwidth, 0.0, strict=True)
+        number_at_least("peak_flops", self.peak_flops, 0.0, strict=True)
+        number_at_least("overhead_s", self.overhead_s, 0.0)
 
     @classmethod
     def for_model(cls, name: str, **kw) -> "CostModel":

@@ -44,9 +44,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..manager import KVCacheManager
+from ..checks import int_at_least
 from ..types import OutOfBlocks
-from .baselines import Breakdown, ManagerAllocator, generated_tokens, seq_key
+from .baselines import ManagerAllocator, generated_tokens, seq_key
 from .costmodel import CostModel
 from .request import Request
 from .routers import DEFAULT_KEY_TOKENS, Router, prefix_key, prompt_array
@@ -67,8 +67,10 @@ def wire_available() -> bool:
 
 def replica_names(n: int) -> list[str]:
     """``["r0", "r1", ...]``: the names a fleet of ``n`` replicas gets (the ring hashes them)."""
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"a fleet needs at least one replica, got {n!r}")
+    try:
+        n = int_at_least("replicas", n, 1)
+    except ValueError:
+        raise ValueError(f"a fleet needs at least one replica, got {n!r}") from None
     return [f"r{i}" for i in range(n)]
 
 
@@ -87,19 +89,13 @@ class ReplicaAllocator(ManagerAllocator):
     ``enable_events`` turns on the manager's KV events (a precise router needs them).
     """
 
+    coalesces = True  # max_steps and step_n below
+
     def __init__(self, num_blocks: int, block_size: int = 16, *, hash_algo: str = "sha256",
                  enable_events: bool = False, watermark: float = 0.01) -> None:
-        if not 0 <= watermark < 1:
-            raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
-        self.m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True, hash_algo=hash_algo,
-                                enable_events=enable_events)
-        self.name = "paged"
-        self.block_size = block_size
-        self.capacity = num_blocks * block_size
-        self.watermark_blocks = int(watermark * num_blocks)
+        super().__init__(num_blocks, block_size, name="paged", watermark=watermark, hash_algo=hash_algo,
+                         enable_events=enable_events)
         self._seqs: dict[str, list] = {}  # req_id -> [tokens now, prompt length, output tokens]
-        self._kv_tokens = 0
-        self.copies = 0
 
     def admit(self, req: Request, generated: int = 0) -> bool:
         rid = req.req_id
@@ -109,18 +105,15 @@ class ReplicaAllocator(ManagerAllocator):
             raise ValueError(f"request {rid}: a fleet replica serves single-sequence requests (n = beam width = 1)")
         if not 0 <= generated <= req.output_len:
             raise ValueError(f"generated must be in [0, {req.output_len}], got {generated}")
-        m, plen = self.m, req.prompt_len
-        need = -(-(plen + generated) // self.block_size)
-        if m.num_free_blocks < need + self.watermark_blocks and self._seqs:
+        plen = req.prompt_len
+        if not self.room_for(plen + generated, bool(self._seqs)):
             return False
         out = generated_tokens(np.full(req.output_len, seq_key(f"{rid}.0"), dtype=np.uint64),
                                np.arange(plen, plen + req.output_len, dtype=np.uint64))
         prompt = prompt_array(req)
         if generated:
             prompt = np.concatenate([prompt, out[:generated]])
-        try:
-            self.last_hit_tokens = m.add_sequence(rid, prompt)
-        except OutOfBlocks:  # nothing changed
+        if not self.add_tokens(rid, prompt):
             return False
         self._seqs[rid] = [plen + generated, plen, out.tolist()]
         self._kv_tokens += plen + generated
@@ -188,19 +181,6 @@ class ReplicaAllocator(ManagerAllocator):
         """The manager's ids of the request's sequences: the request id itself."""
         self._seqs[req_id]
         return [req_id]
-
-    def breakdown(self, blocked: Request | None = None) -> Breakdown:
-        u = self.m.usage()
-        return Breakdown(u.stored_tokens, 0, u.allocated_slots - u.stored_tokens, 0,
-                         self.capacity - u.allocated_slots)
-
-    def sharing(self) -> tuple[int, int]:
-        u = self.m.usage()
-        return u.used_blocks + u.blocks_saved_by_sharing, u.blocks_saved_by_sharing
-
-    def check(self) -> None:
-        self.m.check_invariants()
-        assert self._kv_tokens == self.m.usage().logical_tokens
 
 
 class Replica:
@@ -357,8 +337,7 @@ def run_fleet(requests: Sequence[Request], router: Router, replicas: int, num_bl
     names = replica_names(replicas)
     if not isinstance(router, Router):
         raise ValueError(f"router must be a Router, got {type(router).__name__}")
-    if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
-        raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+    num_blocks = int_at_least("num_blocks", num_blocks, 1)
     reqs = sorted(requests, key=lambda r: r.arrival)
     if any(not isinstance(r, Request) for r in reqs):
         raise ValueError("requests must be Request objects")

@@ -50,6 +50,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..checks import int_at_least, number_at_least
 from .request import Request, mix_tokens
 
 __all__ = [
@@ -129,8 +130,7 @@ def prefix_key(request: Request, key_tokens: int = DEFAULT_KEY_TOKENS) -> int:
 def prefix_keys(request: Request, lengths: Sequence[int]) -> list[int]:
     """:func:`prefix_key` for several key lengths, materialising the tokens once."""
     for n in lengths:
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"key_tokens must be a positive int, got {n!r}")
+        int_at_least("key_tokens", n, 1, expected="a positive int")
     data = prompt_array(request, max(lengths)).astype("<u4").tobytes()
     return [_u64(data[:4 * n]) for n in lengths]
 
@@ -228,10 +228,8 @@ class HashRing:
 
     def __init__(self, names: Sequence[str], vnodes: int = DEFAULT_VNODES, seed: int = 0) -> None:
         names = _check_names(names)
-        if not isinstance(vnodes, int) or isinstance(vnodes, bool) or vnodes < 1:
-            raise ValueError(f"vnodes must be a positive int, got {vnodes!r}")
-        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        vnodes = int_at_least("vnodes", vnodes, 1, expected="a positive int")
+        seed = int_at_least("seed", seed, 0)
         self.names, self.vnodes, self.seed = names, vnodes, seed
         bases = np.array([_u64(f"pagedkv-ring/{seed}/{n}".encode()) for n in names], dtype=np.uint64)
         j = np.arange(vnodes, dtype=np.uint64)
@@ -290,11 +288,9 @@ class RingRouter(Router):
     def __init__(self, vnodes: int = DEFAULT_VNODES, eps: float | None = None, seed: int = 0,
                  key_tokens: int = DEFAULT_KEY_TOKENS) -> None:
         super().__init__()
-        if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float))
-                                or not math.isfinite(eps) or eps < 0):
-            raise ValueError(f"eps must be None or a finite number >= 0, got {eps!r}")
-        if not isinstance(key_tokens, int) or isinstance(key_tokens, bool) or key_tokens < 1:
-            raise ValueError(f"key_tokens must be a positive int, got {key_tokens!r}")
+        if eps is not None:
+            number_at_least("eps", eps, 0.0, expected="None or a finite number >= 0")
+        key_tokens = int_at_least("key_tokens", key_tokens, 1, expected="a positive int")
         self.vnodes, self.eps, self.seed, self.key_tokens = vnodes, eps, seed, key_tokens
         self.name = "ring" if eps is None else "ring-bounded"
         self.ring: HashRing | None = None
@@ -353,16 +349,12 @@ class PrefixAwareRouter(Router):
         super().__init__()
         from ..hashing import BlockHasher
 
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        if not isinstance(balance_abs, int) or isinstance(balance_abs, bool) or balance_abs < 0:
-            raise ValueError(f"balance_abs must be an int >= 0, got {balance_abs!r}")
-        if (isinstance(balance_rel, bool) or not isinstance(balance_rel, (int, float))
-                or not math.isfinite(balance_rel) or balance_rel < 1):
-            raise ValueError(f"balance_rel must be a finite number >= 1, got {balance_rel!r}")
-        if (isinstance(cache_threshold, bool) or not isinstance(cache_threshold, (int, float))
-                or not 0 <= cache_threshold < 1):
-            raise ValueError(f"cache_threshold must be a fraction in [0, 1), got {cache_threshold!r}")
+        block_size = int_at_least("block_size", block_size, 1, expected="a positive int")
+        balance_abs = int_at_least("balance_abs", balance_abs, 0)
+        number_at_least("balance_rel", balance_rel, 1.0)
+        fraction = "a fraction in [0, 1)"
+        if number_at_least("cache_threshold", cache_threshold, 0.0, expected=fraction) >= 1:
+            raise ValueError(f"cache_threshold must be {fraction}, got {cache_threshold!r}")
         self.cache_threshold = cache_threshold
         self.block_size, self.hash_algo = block_size, hash_algo
         self.balance_abs, self.balance_rel = balance_abs, balance_rel

@@ -18,18 +18,15 @@ a request left with ``n`` > 1 runs its samples as one group.
 Worked example (block size 16): four samples of a 40-token prompt arrive together, split. The
 first is added (3 blocks), the other three fork it (0 blocks; every block has refcount 4). Until
 their first step copies the shared partial block, preempting any of them frees 0 blocks
-(:func:`~pagedkv.sim.scheduler.freeable_blocks`).
+(:meth:`~pagedkv.sim.baselines.ManagerAllocator.freeable_blocks`).
 """
 from __future__ import annotations
 
 from dataclasses import replace
 from typing import Iterable, Sequence
 
-import numpy as np
-
-from ..manager import KVCacheManager
-from ..types import OutOfBlocks
-from .baselines import Breakdown, ManagerAllocator, generated_tokens, seq_key
+from ..checks import require
+from .baselines import ManagerAllocator, recomputed_prompt, seq_key
 from .request import Request
 
 __all__ = ["SampleAllocator", "split_samples"]
@@ -70,18 +67,10 @@ class SampleAllocator(ManagerAllocator):
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
                  hash_algo: str = "sha256", watermark: float = 0.0) -> None:
-        if not 0 <= watermark < 1:
-            raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
-        self.m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
-                                hash_algo=hash_algo, enable_events=False)
-        self.name = "paged (samples)"
-        self.block_size = block_size
-        self.capacity = num_blocks * block_size
-        self.watermark_blocks = int(watermark * num_blocks)
+        super().__init__(num_blocks, block_size, name="paged (samples)", watermark=watermark,
+                         enable_prefix_caching=enable_prefix_caching, hash_algo=hash_algo)
         self._reqs: dict[str, _Entry] = {}
         self._fresh: dict[tuple, dict[str, None]] = {}  # prompt recipe -> live requests still at it
-        self._kv_tokens = 0
-        self.copies = 0
         self.forks = 0  # admissions served by forking a fresh identical prompt
 
     def admit(self, req: Request, generated: int = 0) -> bool:
@@ -109,19 +98,9 @@ class SampleAllocator(ManagerAllocator):
         return True
 
     def _add(self, req: Request, seq: str, generated: int) -> bool:
-        m = self.m
-        need = -(-(req.prompt_len + generated) // self.block_size)
-        if m.num_free_blocks < need + self.watermark_blocks and self._reqs:
+        if not self.room_for(req.prompt_len + generated, bool(self._reqs)):
             return False
-        prompt = req.prompt_tokens()
-        if generated:
-            pos = np.arange(req.prompt_len, req.prompt_len + generated)
-            prompt += generated_tokens(np.full(generated, seq_key(seq), dtype=np.uint64), pos).tolist()
-        try:
-            self.last_hit_tokens = m.add_sequence(seq, prompt)
-        except OutOfBlocks:  # nothing changed
-            return False
-        return True
+        return self.add_tokens(seq, recomputed_prompt(req, seq, generated))
 
     def _unfresh(self, req_id: str) -> None:
         req = self._reqs[req_id].req
@@ -133,22 +112,12 @@ class SampleAllocator(ManagerAllocator):
 
     def step(self, req_ids: Sequence[str]) -> int:
         entries = [self._reqs[r] for r in req_ids]
-        ids: list[str] = []
-        keys: list[int] = []
-        pos: list[int] = []
-        for e in entries:
-            ids += e.seqs
-            keys += e.keys
-            pos += [e.length] * len(e.seqs)
-        toks = generated_tokens(np.array(keys, dtype=np.uint64), np.array(pos, dtype=np.uint64))
-        self.m.append_batch(ids, toks)  # OutOfBlocks: atomic, the scheduler preempts and retries
-        self.copies += len(self.m.take_copies())
+        appended = self.append_generated(entries)
         for rid, e in zip(req_ids, entries):
             if e.length == e.req.prompt_len:
                 self._unfresh(rid)
             e.length += 1
-        self._kv_tokens += len(ids)
-        return len(ids)
+        return appended
 
     def release(self, req_id: str) -> None:
         self._unfresh(req_id)
@@ -164,23 +133,10 @@ class SampleAllocator(ManagerAllocator):
         """The manager's ids of the request's sequences (for freeable-block counts)."""
         return list(self._reqs[req_id].seqs)
 
-    def breakdown(self, blocked: Request | None = None) -> Breakdown:
-        return self.observe(blocked)[0]
-
-    def observe(self, blocked: Request | None = None) -> tuple[Breakdown, int, int]:
-        """Paged memory: token states, the unused tails of blocks, free (see PagedAllocator)."""
-        u = self.m.usage()
-        bd = Breakdown(u.stored_tokens, 0, u.allocated_slots - u.stored_tokens, 0,
-                       self.capacity - u.allocated_slots)
-        return bd, u.used_blocks + u.blocks_saved_by_sharing, u.blocks_saved_by_sharing
-
-    def sharing(self) -> tuple[int, int]:
-        return self.observe()[1:]
-
     def check(self) -> None:
-        self.m.check_invariants()
-        assert self._kv_tokens == self.m.usage().logical_tokens
+        """The manager's checks, and a request counted fresh has produced nothing yet."""
+        super().check()
         for fresh in self._fresh.values():
             for rid in fresh:
                 e = self._reqs[rid]
-                assert e.length == e.req.prompt_len
+                require(e.length == e.req.prompt_len, f"request {rid} is counted fresh after producing tokens")

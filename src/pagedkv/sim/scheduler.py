@@ -42,108 +42,47 @@ time or gets further than it ever got for ``stall_limit`` iterations, the run st
 a livelock (:class:`Livelock`, carrying the partial :class:`SimResult`), with counters:
 preemptions (per request too), futile preemptions, recomputed and discarded tokens.
 
+**What this module owns**: the loop and its per-run state (``_Run``: the queues, the
+per-request records, the counters), :class:`Server` (one replica's loop advanced from
+outside), :func:`simulate` (a ``Server`` run to its end) and :class:`Livelock`. It asks every
+allocator the same questions through :class:`~pagedkv.sim.baselines.KVAllocator`, whose
+defaults fit an allocator without blocks, host tier or sharing, so it imports no manager and
+never asks what kind of allocator it holds. The switches are :mod:`pagedkv.sim.guards`', the
+result records :mod:`pagedkv.sim.records`', the terminal bar :mod:`pagedkv.sim.progress`' (the
+loop only reports to a callback); their names are re-exported here.
+
 Preemption is recompute (vLLM v1's mode) unless the allocator can swap: :meth:`_Run.preempt` is
 the one place a victim leaves the device. An allocator with a host tier
 (:class:`~pagedkv.sim.tiered.TieredAllocator`) may take the victim with ``swap_out``; it then
 waits at the head of the queue and comes back with ``swap_in`` before any new admission, with
 every token it had. Such an allocator also prices each iteration's block transfers
-(``take_transfer_seconds(compute_s)``: the time the iteration waits for them beyond its compute).
+(``take_transfer_seconds(compute_s)``: the time the iteration waits for them beyond its compute;
+0.0 for every other allocator, so the loop adds it to every iteration).
 """
 from __future__ import annotations
 
 import math
-import sys
 import time
-from collections import Counter, deque
-from dataclasses import dataclass, field, fields, replace
-from typing import Iterable, TextIO
+from collections import deque
+from typing import Callable, Iterable
 
 import numpy as np
 
-from ..manager import KVCacheManager
-from ..types import OutOfBlocks, Usage
-from .baselines import CATEGORIES, KVAllocator
+from ..checks import int_at_least, optional_int_at_least
+from ..types import OutOfBlocks
+from .baselines import KVAllocator
 from .costmodel import CostModel
+from .guards import DEFAULT_WATERMARK, GUARD_NAMES, GUARD_PRESETS, Guards
+from .progress import Progress
+from .records import RequestLog, SimResult, StepLog, StepRecorder
 from .request import Request
 
 __all__ = ["StepLog", "SimResult", "RequestLog", "Guards", "GUARD_NAMES", "GUARD_PRESETS", "Livelock", "simulate",
-           "clip_request", "check_fits", "freeable_blocks", "Progress", "Server"]
+           "clip_request", "check_fits", "freeable_blocks", "Progress", "Server", "DEFAULT_WATERMARK"]
 
-GUARD_NAMES = ("newest_first", "no_admit_after_preempt", "fit_check", "skip_unfreeing", "watermark")
-DEFAULT_WATERMARK = 0.05  # what Guards.all_on() keeps free: the top of vLLM PR #44594's 0.02-0.05
-
-
-@dataclass(frozen=True)
-class Guards:
-    """The switches against the ways a scheduler goes wrong when memory runs out.
-
-    Defaults follow vLLM v1, so ``simulate()`` without ``guards`` behaves as before:
-
-    ``newest_first`` (on; vLLM v0 and v1 preempt the most recently admitted request): the oldest
-        running request is never a victim, so it always progresses. Off: the oldest is preempted
-        first, the request with the most work to lose.
-    ``no_admit_after_preempt`` (on; vLLM v1 schedules no waiting request in a step that
-        preempted): the iteration after a preemption admits nothing, or the victim would be
-        readmitted at once and preempted again (thrashing).
-    ``fit_check`` (on; vLLM refuses at start-up a ``max_model_len`` its KV cache cannot hold):
-        :func:`check_fits` raises ``ValueError`` before the run when the longest request (after
-        clipping to ``max_len``) cannot fit in the whole cache; at run time a request that does
-        not fit even alone in memory (several samples or beams outgrowing the cache) is dropped
-        and reported in ``SimResult.dropped_ids``. Off: it is preempted and retried forever.
-    ``skip_unfreeing`` (off; vLLM skips victims whose free is deferred, PR #49675, but not
-        victims whose blocks are shared): pass over victims that would free no block (counted
-        by :func:`freeable_blocks`) for the next one that frees some; when none does, the first
-        in order goes.
-    ``watermark`` (0, off; vLLM v1's default; vLLM v0 kept 0.01): admit a request only when
-        ``watermark x num_blocks`` blocks stay free after its prompt, unless nothing runs. vLLM
-        PR #44594 measured preemptions falling from 1,065 (off) to 400 (0.02) and 187 (0.05) on
-        a saturated long-output benchmark (their measurement, not ours). The paged allocator has
-        its own ``watermark`` argument (1% by default), applied inside ``admit``; this one is the
-        scheduler's, for any allocator backed by a :class:`~pagedkv.KVCacheManager`.
-    """
-
-    newest_first: bool = True
-    no_admit_after_preempt: bool = True
-    fit_check: bool = True
-    skip_unfreeing: bool = False
-    watermark: float = 0.0
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.name == "watermark":
-                ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1
-                if not ok:
-                    raise ValueError(f"watermark must be a fraction in [0, 1), got {v!r}")
-            elif not isinstance(v, bool):
-                raise ValueError(f"guard {f.name} must be True or False, got {v!r}")
-
-    @classmethod
-    def all_on(cls, watermark: float = DEFAULT_WATERMARK) -> "Guards":
-        """Every guard on, the watermark at ``watermark`` (5% unless given)."""
-        return cls(True, True, True, True, watermark)
-
-    @classmethod
-    def all_off(cls) -> "Guards":
-        return cls(False, False, False, False, 0.0)
-
-    def switched(self, name: str, on: bool, watermark: float = DEFAULT_WATERMARK) -> "Guards":
-        """These guards with ``name`` turned on or off (on: ``watermark`` for the watermark)."""
-        if name not in GUARD_NAMES:
-            raise ValueError(f"unknown guard {name!r}; choose from {', '.join(GUARD_NAMES)}")
-        value = (watermark if on else 0.0) if name == "watermark" else on
-        return replace(self, **{name: value})
-
-    def is_on(self, name: str) -> bool:
-        return bool(getattr(self, name))
-
-    def describe(self) -> str:
-        """The guards that are on, e.g. ``newest_first, fit_check, watermark 0.05`` or ``none``."""
-        on = [n if n != "watermark" else f"watermark {self.watermark:g}" for n in GUARD_NAMES if self.is_on(n)]
-        return ", ".join(on) or "none"
-
-
-GUARD_PRESETS = {"vllm": Guards(), "all": Guards.all_on(), "none": Guards.all_off()}  # for the CLI
+# What a caller's progress callback receives after every turn and once at the end:
+# (requests finished or dropped, a status such as "t=12.3s batch=40", True on the last call).
+ProgressCallback = Callable[[int, str, bool], None]
 
 
 class Livelock(ValueError):
@@ -178,7 +117,7 @@ def check_fits(requests: Iterable[Request], allocator: KVAllocator, max_len: int
     if not reqs:
         return
     longest = max(reqs, key=lambda r: r.total_len)
-    bs = getattr(allocator, "block_size", 1)
+    bs = allocator.block_size
     blocks = -(-longest.total_len // bs)
     if blocks * bs > allocator.capacity:
         raise ValueError(
@@ -190,182 +129,12 @@ def check_fits(requests: Iterable[Request], allocator: KVAllocator, max_len: int
 
 
 def freeable_blocks(allocator: KVAllocator, req_id: str) -> int | None:
-    """Blocks that preempting ``req_id`` would return to the free pool, read from the manager.
-
-    A block is freed when every reference to it is the request's own: its refcount equals the
-    number of the request's block tables that hold it (1 for a single sequence). A fork that has
-    not written yet shares all its blocks with its parent: 0. ``None`` when the allocator has no
-    :class:`~pagedkv.KVCacheManager` (``m``) or cannot name a request's sequences (``seq_ids``):
-    a reservation always frees its whole range.
-    """
-    m = getattr(allocator, "m", None)
-    seq_ids = getattr(allocator, "seq_ids", None)
-    if not isinstance(m, KVCacheManager) or seq_ids is None:
-        return None
-    held: Counter = Counter()
-    for sid in seq_ids(req_id):
-        held.update(m.block_table(sid))
-    return sum(1 for block, refs in held.items() if m.refcount(block) == refs)
-
-
-class Progress:
-    """A plain-text progress bar on stderr, redrawn at most every ``interval`` seconds."""
-
-    def __init__(self, total: int, label: str = "", enabled: bool = True, stream: TextIO | None = None,
-                 interval: float = 0.2, width: int = 30) -> None:
-        self.total = max(total, 1)
-        self.label = label
-        self.enabled = enabled
-        self.stream = stream if stream is not None else sys.stderr
-        self.interval = interval
-        self.width = width
-        self._last = 0.0
-
-    def update(self, done: int, extra: str = "", force: bool = False) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if not force and now - self._last < self.interval:
-            return
-        self._last = now
-        frac = min(done / self.total, 1.0)
-        fill = int(frac * self.width)
-        bar = "#" * fill + "." * (self.width - fill)
-        self.stream.write(f"\r{self.label} [{bar}] {frac:4.0%} {done}/{self.total} {extra}  ")
-        self.stream.flush()
-
-    def close(self, done: int, extra: str = "") -> None:
-        if self.enabled:
-            self.update(done, extra, force=True)
-            self.stream.write("\n")
-            self.stream.flush()
-
-
-class _Recorder:
-    """Appends one row per iteration; turned into numpy arrays once at the end."""
-
-    def __init__(self) -> None:
-        self.times: list[tuple[float, float]] = []
-        self.ints: list[tuple] = []
-
-    def add(self, t, dt, seqs, reqs, tokens, prefill, kv, waiting, blocked, idle, cats, logical, saved):
-        self.times.append((t, dt))
-        self.ints.append((seqs, reqs, tokens, prefill, kv, waiting, blocked, idle, *cats, logical, saved))
-
-    def log(self) -> "StepLog":
-        f = np.array(self.times, dtype=np.float64).reshape(-1, 2)
-        k = 8 + len(CATEGORIES)
-        a = np.array(self.ints, dtype=np.int64).reshape(-1, k + 2)
-        return StepLog(t=f[:, 0], dt=f[:, 1], batch=a[:, 0], running=a[:, 1], tokens=a[:, 2],
-                       prefill=a[:, 3], kv_read=a[:, 4], waiting=a[:, 5] > 0, blocked=a[:, 6] > 0,
-                       idle=a[:, 7] > 0, slots=a[:, 8:k].copy(), logical_blocks=a[:, k],
-                       saved_blocks=a[:, k + 1])
-
-
-@dataclass
-class StepLog:
-    """Every iteration of a run, as arrays of equal length (one entry per iteration).
-
-    ``slots[:, j]`` is category ``CATEGORIES[j]`` in token slots during the iteration; ``waiting``
-    says an arrived request was left in the queue after admission (the server is saturated);
-    ``blocked`` that the head of the queue was refused for lack of memory.
-    """
-
-    t: np.ndarray
-    dt: np.ndarray
-    batch: np.ndarray  # running sequences decoded
-    running: np.ndarray  # running requests
-    tokens: np.ndarray  # tokens appended by the decode step
-    prefill: np.ndarray  # prompt tokens computed at admission (cache hits excluded)
-    kv_read: np.ndarray  # token states attention read
-    waiting: np.ndarray
-    blocked: np.ndarray
-    idle: np.ndarray
-    slots: np.ndarray  # [steps, len(CATEGORIES)] int64, rows sum to the capacity
-    logical_blocks: np.ndarray
-    saved_blocks: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.dt)
-
-    def category(self, name: str) -> np.ndarray:
-        return self.slots[:, CATEGORIES.index(name)]
-
-
-@dataclass
-class RequestLog:
-    """Per-request timings and costs of a run, arrays in request order (``ids``).
-
-    Times are seconds of simulated time, NaN when the event never happened: ``first_token`` is
-    the end of the iteration that produced the request's first token (a restarted request keeps
-    its first), ``finish`` the end of the iteration it finished in (NaN: dropped or the run
-    stopped). ``recomputed`` counts the prompt and generated tokens its readmissions prefilled
-    again (cache hits excluded).
-    """
-
-    ids: list[str]
-    arrival: np.ndarray
-    first_token: np.ndarray
-    finish: np.ndarray
-    preemptions: np.ndarray
-    recomputed: np.ndarray
-
-    def latency(self) -> np.ndarray:
-        """Arrival to finish of every finished request (seconds)."""
-        done = ~np.isnan(self.finish)
-        return self.finish[done] - self.arrival[done]
-
-    def ttft(self) -> np.ndarray:
-        """Arrival to first token of every request that produced one (seconds)."""
-        seen = ~np.isnan(self.first_token)
-        return self.first_token[seen] - self.arrival[seen]
-
-
-@dataclass
-class SimResult:
-    """What one run produced: the step log plus run totals (see :mod:`pagedkv.sim.metrics`).
-
-    ``livelock`` is None when the run completed (every request finished or was dropped), else
-    why it stopped. ``futile_preemptions`` counts victims that freed no block,
-    ``skipped_victims`` the victims the ``skip_unfreeing`` guard passed over,
-    ``recomputed_tokens`` the tokens readmissions prefilled again and ``discarded_tokens`` the
-    generated tokens thrown away by restarting a request with several sequences.
-    """
-
-    allocator: str
-    capacity: int
-    block_size: int
-    steps: StepLog
-    num_requests: int
-    finished: int
-    dropped: int
-    clipped: int
-    preemptions: int
-    output_tokens: int  # tokens of finished requests (every sample / beam counted)
-    prompt_tokens: int  # prompt tokens of finished requests
-    makespan: float
-    usage: Usage | None = None  # the paged cache's final usage (prefix hits, CoW, forks)
-    copies: int = 0
-    wall_s: float = 0.0
-    extra: dict = field(default_factory=dict)
-    guards: Guards = field(default_factory=Guards)
-    livelock: str | None = None
-    futile_preemptions: int = 0
-    skipped_victims: int = 0
-    recomputed_tokens: int = 0
-    discarded_tokens: int = 0
-    dropped_ids: tuple[str, ...] = ()
-    requests: RequestLog | None = None
-
-    @property
-    def completed(self) -> bool:
-        """Every request finished or was dropped (no livelock, no iteration cap)."""
-        return self.livelock is None
-
-    @property
-    def iterations(self) -> int:
-        """Iterations that did work (idle gaps excluded)."""
-        return int((~self.steps.idle).sum())
+    """Blocks that preempting ``req_id`` would return to the free pool
+    (:meth:`KVAllocator.freeable_blocks <pagedkv.sim.baselines.KVAllocator.freeable_blocks>`):
+    a block is freed when every reference to it is the request's own, so a fork that has not
+    written yet frees 0. ``None`` for an allocator that frees a request's whole range (a
+    reservation)."""
+    return allocator.freeable_blocks(req_id)
 
 
 class _ReqStat:
@@ -389,7 +158,7 @@ class _Run:
         self.waiting: deque = deque()  # [request, generated]
         self.running: dict[str, list] = {}  # req_id -> [request, generated], admission order
         self.running_seqs = 0
-        self.rec = _Recorder()
+        self.rec = StepRecorder()
         self.record = record  # False: no StepLog rows, and no allocator snapshot per iteration
         self.t = 0.0
         self.finished = self.dropped = self.preemptions = 0
@@ -400,11 +169,9 @@ class _Run:
         self.just_preempted = False
         self.just_finished: list[str] = []  # finished this iteration, stamped with its end time
         self.progressed = False
-        m = getattr(alloc, "m", None)
-        self.manager = m if isinstance(m, KVCacheManager) else None
-        self.watermark_blocks = int(guards.watermark * m.num_blocks) if self.manager else 0
+        # the watermark guard counts blocks: 0 (off) for an allocator that does not page
+        self.watermark_blocks = int(guards.watermark * alloc.num_blocks)
         self.swapped: set[str] = set()  # swapped out; waiting in the queue to be swapped in
-        self.transfer_s = getattr(alloc, "take_transfer_seconds", None)  # a host tier's link time
 
     # ---- admission
 
@@ -456,9 +223,9 @@ class _Run:
         Counts every block of the prompt (and recomputed tokens), as vLLM v0 did."""
         if not self.watermark_blocks:
             return True
-        m = self.manager
-        need = -(-(req.prompt_len + generated) // m.block_size)
-        return m.num_free_blocks - need >= self.watermark_blocks
+        alloc = self.alloc
+        need = -(-(req.prompt_len + generated) // alloc.block_size)
+        return alloc.num_free_blocks - need >= self.watermark_blocks
 
     # ---- leaving: finish, drop, preempt
 
@@ -494,11 +261,10 @@ class _Run:
         """
         req, gen = self.running.pop(rid)
         seqs = self.alloc.num_seqs(rid)
-        if freeable_blocks(self.alloc, rid) == 0:
+        if self.alloc.freeable_blocks(rid) == 0:
             self.futile += 1
         self.running_seqs -= seqs
-        swap_out = getattr(self.alloc, "swap_out", None)
-        if swap_out is not None and swap_out(rid):  # swapped: it keeps all it generated
+        if self.alloc.swap_out(rid):  # swapped: it keeps all it generated
             self.swapped.add(rid)
             kept = gen
         else:
@@ -550,7 +316,7 @@ class _Run:
         order = ids[:0:-1] if self.guards.newest_first else ids
         if self.guards.skip_unfreeing:
             for n, rid in enumerate(order):
-                if freeable_blocks(self.alloc, rid) != 0:  # None: frees its whole range
+                if self.alloc.freeable_blocks(rid) != 0:  # None: frees its whole range
                     self.skipped += n
                     return rid
         return order[0]
@@ -583,8 +349,7 @@ class _Run:
         batch = tokens  # one token per decoded sequence
         kv = self.alloc.kv_tokens
         dt = self.cost.step_time(kv if tokens else 0, prefill, decoding=tokens > 0)
-        if self.transfer_s is not None:  # what the step waits for its block transfers
-            dt += self.transfer_s(dt)
+        dt += self.alloc.take_transfer_seconds(dt)  # what the step waits for its block transfers
         if self.record:
             bd, logical, saved = self.alloc.observe(blocked)
             self.rec.add(self.t, dt, batch, len(self.running), tokens, prefill, kv, bool(self.waiting),
@@ -606,9 +371,57 @@ class _Run:
                 self.progressed = True
             for rid in done:
                 self.finish(rid)
+        self.stamp_finished()
+
+    def stamp_finished(self) -> None:
+        """Give the requests that finished in the iteration just run its end time."""
         for rid in self.just_finished:
             self.stats[rid].finish = self.t
         self.just_finished.clear()
+
+    def coast(self, horizon: float) -> int:
+        """Run the decode-only iterations that start before ``horizon`` and before memory or a
+        request's end forces an ordinary iteration, in one allocator call (see :class:`Server`);
+        returns how many ran (0: no such stretch, nothing changed). The clock adds the same
+        per-iteration durations in the same order as :meth:`iterate` would. Example: two
+        single-sequence requests with 5 and 9 tokens to go and room for 7 steps coast 5 (the
+        first finishes at the last of them)."""
+        if self.waiting or not self.running:
+            return 0
+        limit = math.inf
+        for req, gen in self.running.values():
+            if req.num_seqs != 1:
+                return 0
+            limit = min(limit, req.output_len - gen)
+        ids = list(self.running)
+        alloc = self.alloc
+        n = alloc.max_steps(ids, limit)
+        if n < 1:
+            return 0  # memory runs out at once: the ordinary iteration preempts
+        cost, t, steps = self.cost, self.t, 0
+        kv, batch, first = alloc.kv_tokens, len(ids), math.nan
+        while steps < n and t < horizon:  # the same durations, added in the same order
+            kv += batch
+            t += cost.step_time(kv, 0, decoding=True)
+            steps += 1
+            if steps == 1:
+                first = t
+        alloc.step_n(ids, steps)
+        self.just_preempted = False  # what admit() does when nothing waits
+        done = []
+        for rid, st in self.running.items():
+            st[1] += steps
+            stat = self.stats[rid]
+            if stat.first != stat.first:  # NaN: its first token
+                stat.first = first
+            stat.best = max(stat.best, st[1])  # a single sequence progresses at every step
+            if st[1] >= st[0].output_len:
+                done.append(rid)
+        self.t = t
+        for rid in done:
+            self.finish(rid)
+        self.stamp_finished()
+        return steps
 
     def idle_until(self, t_next: float) -> None:
         if self.record:
@@ -626,7 +439,8 @@ class _Run:
                           col("finish", np.float64), col("preemptions", np.int64), col("recomputed", np.int64))
 
     def stall_report(self, stalled: int, iteration: int, pending: int, total: int) -> str:
-        worst = max(self.stats.items(), key=lambda kv: kv[1].preemptions)
+        worst = max(((rid, st) for rid, st in self.stats.items() if st is not None),  # None: ordered, not submitted
+                    key=lambda kv: kv[1].preemptions)
         head = f"; head of the queue {self.waiting[0][0].req_id}" if self.waiting else ""
         return (f"livelock: no request progressed for {stalled:,} iterations (stopped at iteration "
                 f"{iteration:,}, t={self.t:.3f} s); {self.finished:,} of {total:,} finished, "
@@ -663,12 +477,15 @@ class Server:
 
     ``advance_to`` and ``drain`` raise :class:`Livelock` when no request progressed for
     ``stall_limit`` iterations (default: twice the longest output submitted, plus 64).
+    ``request_order`` (request ids) orders the requests for the livelock message's tie-break
+    between equally preempted requests (default: as submitted; :func:`simulate` passes its
+    input order).
 
     ``record_steps=False`` keeps no :class:`StepLog` (``result().steps`` is empty) and skips the
     allocator's memory snapshot each iteration, which a fleet does not read. ``coalesce=True``
-    (it needs ``record_steps=False`` and an allocator with ``max_steps(req_ids, limit)``, the
-    decode steps memory allows, and ``step_n(req_ids, n)``, such as
-    :class:`~pagedkv.sim.fleet.ReplicaAllocator`) runs a stretch of decode-only iterations (no
+    (it needs ``record_steps=False`` and an allocator that ``coalesces``: its
+    ``max_steps(req_ids, limit)`` says how many decode steps memory allows and ``step_n(req_ids,
+    n)`` runs them, as :class:`~pagedkv.sim.fleet.ReplicaAllocator` does) runs a stretch of decode-only iterations (no
     request waiting, single-sequence requests, none finishing before its last iteration, none
     arriving, enough free blocks) in one call: the clock adds the same per-iteration durations in
     the same order, so first-token and finish times are the same floats as iteration by
@@ -677,12 +494,13 @@ class Server:
 
     def __init__(self, allocator: KVAllocator, cost: CostModel | None = None, *, max_len: int = 2048,
                  max_num_seqs: int = 256, guards: Guards | None = None, stall_limit: int | None = None,
-                 record_steps: bool = True, coalesce: bool = False) -> None:
+                 record_steps: bool = True, coalesce: bool = False, request_order: Iterable[str] = ()) -> None:
         guards = _checked_config(allocator, max_num_seqs, guards, stall_limit)
-        if coalesce and (record_steps or not all(hasattr(allocator, f) for f in ("max_steps", "step_n"))):
+        if coalesce and (record_steps or not allocator.coalesces):
             raise ValueError("coalesce=True needs record_steps=False and an allocator with max_steps and step_n")
         self.allocator, self.max_len, self.guards = allocator, max_len, guards
         self._run = _Run(allocator, cost or CostModel(), max_num_seqs, guards, [], record=record_steps)
+        self._run.stats.update(dict.fromkeys(request_order))  # filled in as they are submitted
         self._pending: deque = deque()  # submitted, not yet arrived by the clock
         self._requests: list[Request] = []  # as submitted (clipped)
         self._submitted: set[str] = set()
@@ -708,6 +526,33 @@ class Server:
     @property
     def stall_limit(self) -> int:
         return self._stall_limit or 2 * self._longest_output + 64
+
+    @property
+    def num_pending(self) -> int:
+        """Requests submitted whose arrival the clock has not reached yet."""
+        return len(self._pending)
+
+    @property
+    def num_done(self) -> int:
+        """Requests that finished or were dropped."""
+        return self._run.finished + self._run.dropped
+
+    def status(self) -> str:
+        """The clock and the running sequences, for a progress line: ``t=12.3s batch=40``."""
+        return f"t={self._run.t:.1f}s batch={self._run.running_seqs}"
+
+    def stall_report(self, iterations: int | None = None, total: int | None = None) -> str:
+        """Why the run is stalled, in one line (the :class:`Livelock` message): ``iterations``
+        run (default: this server's count) and ``total`` requests (default: those submitted)."""
+        run = self._run
+        return run.stall_report(self.stalled, self.iterations if iterations is None else iterations,
+                                len(self._pending), len(self._requests) if total is None else total)
+
+    def cap_report(self, limit: int, total: int) -> str:
+        """Why a run cut at ``limit`` iterations did not finish its ``total`` requests."""
+        run = self._run
+        return (f"did not finish within {limit:,} iterations (max_iterations); "
+                f"{run.finished:,} of {total:,} finished, {run.preemptions:,} preemptions")
 
     # ---- driving
 
@@ -767,51 +612,17 @@ class Server:
 
     def _check_stall(self) -> None:
         if self.stalled >= self.stall_limit:
-            run = self._run
-            msg = run.stall_report(self.stalled, self.iterations, len(self._pending), len(self._requests))
+            msg = self.stall_report()
             raise Livelock(msg, self.result(livelock=msg))
 
     def _coast(self) -> bool:
         """Run the decode-only iterations before the next event in one go (see the class
         docstring); False when there is no such stretch (an ordinary iteration runs instead)."""
-        run = self._run
-        if run.waiting or not run.running:
+        pending = self._pending
+        horizon = min(self._horizon, pending[0].arrival if pending else math.inf)
+        steps = self._run.coast(horizon)
+        if not steps:
             return False
-        limit = math.inf
-        for req, gen in run.running.values():
-            if req.num_seqs != 1:
-                return False
-            limit = min(limit, req.output_len - gen)
-        ids = list(run.running)
-        n = self.allocator.max_steps(ids, limit)
-        if n < 1:
-            return False  # memory runs out at once: the ordinary iteration preempts
-        horizon = min(self._horizon, self._pending[0].arrival if self._pending else math.inf)
-        alloc, cost, t, steps = self.allocator, run.cost, run.t, 0
-        kv, batch, first = alloc.kv_tokens, len(ids), math.nan
-        while steps < n and t < horizon:  # the same durations, added in the same order
-            kv += batch
-            t += cost.step_time(kv, 0, decoding=True)
-            steps += 1
-            if steps == 1:
-                first = t
-        alloc.step_n(ids, steps)
-        run.just_preempted = False  # what admit() does when nothing waits
-        done = []
-        for rid, st in run.running.items():
-            st[1] += steps
-            stat = run.stats[rid]
-            if stat.first != stat.first:  # NaN: its first token
-                stat.first = first
-            stat.best = max(stat.best, st[1])  # a single sequence progresses at every step
-            if st[1] >= st[0].output_len:
-                done.append(rid)
-        run.t = t
-        for rid in done:
-            run.finish(rid)
-        for rid in run.just_finished:
-            run.stats[rid].finish = t
-        run.just_finished.clear()
         self.iterations += steps
         self.stalled = 0
         return True
@@ -822,11 +633,11 @@ class Server:
         run, alloc = self._run, self.allocator
         reqs = self._requests if requests is None else requests
         return SimResult(
-            allocator=alloc.name, capacity=alloc.capacity, block_size=getattr(alloc, "block_size", 1),
+            allocator=alloc.name, capacity=alloc.capacity, block_size=alloc.block_size,
             steps=run.rec.log(), num_requests=len(reqs), finished=run.finished, dropped=run.dropped,
             clipped=self.clipped, preemptions=run.preemptions, output_tokens=run.output_tokens,
             prompt_tokens=run.prompt_tokens, makespan=run.t, usage=alloc.usage(),
-            copies=getattr(alloc, "copies", 0), wall_s=wall_s, guards=self.guards, livelock=livelock,
+            copies=alloc.copies, wall_s=wall_s, guards=self.guards, livelock=livelock,
             futile_preemptions=run.futile, skipped_victims=run.skipped, recomputed_tokens=run.recomputed,
             discarded_tokens=run.discarded, dropped_ids=tuple(run.dropped_ids),
             requests=run.request_log(reqs),
@@ -838,24 +649,26 @@ def _checked_config(allocator: KVAllocator, max_num_seqs: int, guards: Guards | 
     """The arguments :func:`simulate` and :class:`Server` share, validated; the guards to use."""
     if not isinstance(allocator, KVAllocator):
         raise ValueError(f"allocator must be a KVAllocator, got {type(allocator).__name__}")
-    if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs must be a positive int, got {max_num_seqs!r}")
+    int_at_least("max_num_seqs", max_num_seqs, 1)
+    optional_int_at_least("stall_limit", stall_limit, 1)
     guards = Guards() if guards is None else guards
     if not isinstance(guards, Guards):
         raise ValueError(f"guards must be a Guards, got {type(guards).__name__}")
-    if stall_limit is not None and (not isinstance(stall_limit, int) or stall_limit < 1):
-        raise ValueError(f"stall_limit must be a positive int, got {stall_limit!r}")
     return guards
 
 
 def simulate(requests: Iterable[Request], allocator: KVAllocator, cost: CostModel | None = None, *,
-             max_len: int = 2048, max_num_seqs: int = 256, progress: bool = False,
+             max_len: int = 2048, max_num_seqs: int = 256, progress: bool | ProgressCallback = False,
              max_iterations: int | None = None, guards: Guards | None = None,
              stall_limit: int | None = None, on_livelock: str = "raise") -> SimResult:
     """Serve ``requests`` with ``allocator`` under continuous batching; see the module docstring.
 
     ``max_len`` clips every request to the model's context; ``max_num_seqs`` caps the running
-    sequences (vLLM's default, 256); ``progress`` draws a bar on stderr; ``guards`` are the
+    sequences (vLLM's default, 256); ``progress``: True draws a bar on stderr
+    (:class:`~pagedkv.sim.progress.Progress`), a callable ``progress(done, status, final)`` is
+    told after every turn how many requests finished or were dropped, a status such as
+    ``t=12.3s batch=40``, and ``final=True`` once at the end (the loop itself draws nothing);
+    ``guards`` are the
     switches of :class:`Guards` (default: vLLM v1's). ``stall_limit`` is how many iterations may
     pass without progress before the run is declared a livelock (default: twice the longest
     output plus 64, more than a restarted request needs to regain its tokens);
@@ -866,6 +679,8 @@ def simulate(requests: Iterable[Request], allocator: KVAllocator, cost: CostMode
     guards = _checked_config(allocator, max_num_seqs, guards, stall_limit)
     if on_livelock not in ("raise", "return"):
         raise ValueError(f"on_livelock must be 'raise' or 'return', got {on_livelock!r}")
+    if not isinstance(progress, bool) and not callable(progress):
+        raise ValueError(f"progress must be True, False or a callable, got {progress!r}")
     reqs = list(requests)
     if any(not isinstance(r, Request) for r in reqs):
         raise ValueError("requests must be Request objects")
@@ -875,12 +690,10 @@ def simulate(requests: Iterable[Request], allocator: KVAllocator, cost: CostMode
     if guards.fit_check:
         check_fits(fitted, allocator, max_len)
     server = Server(allocator, cost, max_len=max_len, max_num_seqs=max_num_seqs, guards=guards,
-                    stall_limit=stall_limit)
-    run = server._run
-    run.stats.update(dict.fromkeys(r.req_id for r in fitted))  # input order: stall_report's tie-break
+                    stall_limit=stall_limit, request_order=[r.req_id for r in fitted])  # livelock tie-break
     for r in sorted(reqs, key=lambda r: r.arrival):
         server.submit(r)
-    bar = Progress(len(reqs), allocator.name, enabled=progress)
+    report = Progress(len(reqs), allocator.name).report if progress is True else progress or None
     limit = max_iterations or 4 * sum(r.total_len * r.num_seqs for r in fitted) + 2 * len(fitted) + 10
     livelock = None
     wall = time.perf_counter()
@@ -888,13 +701,14 @@ def simulate(requests: Iterable[Request], allocator: KVAllocator, cost: CostMode
         if not server.step():
             break
         if server.stalled >= server.stall_limit:
-            livelock = run.stall_report(server.stalled, it + 1, len(server._pending), len(reqs))
+            livelock = server.stall_report(it + 1, len(reqs))
             break
-        bar.update(run.finished + run.dropped, f"t={run.t:.1f}s batch={run.running_seqs}")
+        if report is not None:
+            report(server.num_done, server.status(), False)
     else:
-        livelock = (f"did not finish within {limit:,} iterations (max_iterations); "
-                    f"{run.finished:,} of {len(reqs):,} finished, {run.preemptions:,} preemptions")
-    bar.close(run.finished + run.dropped, f"t={run.t:.1f}s")
+        livelock = server.cap_report(limit, len(reqs))
+    if report is not None:
+        report(server.num_done, f"t={server.clock:.1f}s", True)
     result = server.result(livelock, time.perf_counter() - wall, fitted)
     if livelock is not None and on_livelock == "raise":
         raise Livelock(livelock, result)

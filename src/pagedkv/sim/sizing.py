@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..checks import int_at_least, number_at_least
 from ..kv_specs import AttentionSpec, ChunkedLocalAttention, FullAttention, SlidingWindow
 
 __all__ = [
@@ -128,9 +129,8 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         for field_name in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "hidden_size"):
-            v = getattr(self, field_name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{self.name}: {field_name} must be a positive int, got {v!r}")
+            value = getattr(self, field_name)
+            int_at_least(f"{self.name}: {field_name}", value, 1, expected="a positive int")
         if self.num_attention_heads % self.num_kv_heads:
             raise ValueError(f"{self.name}: {self.num_attention_heads} attention heads are not a "
                              f"multiple of {self.num_kv_heads} KV heads")
@@ -186,10 +186,8 @@ def _first(cfg: Mapping[str, Any], field_name: str) -> Any:
 def _positive_field(cfg: Mapping[str, Any], field_name: str, value: Any) -> int:
     """A config field that must be a positive integer (``32`` or ``32.0``), by its config key."""
     key = next((k for k in _ALIASES.get(field_name, (field_name,)) if cfg.get(k) is not None), field_name)
-    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-    if isinstance(value, bool) or not integral or value < 1:
-        raise ValueError(f"config field {key} must be a positive integer, got {value!r}")
-    return int(value)
+    number = int(value) if isinstance(value, float) and value.is_integer() else value  # JSON's 32.0
+    return int_at_least(f"config field {key}", number, 1, expected="a positive integer")
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
@@ -419,11 +417,6 @@ class KVSize:
     bytes_per_block: int
 
 
-def _check_int(name: str, value: Any, lo: int = 1) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
-
-
 def kv_size(spec: ModelSpec, *, dtype: str | None = None, tp: int = 1, block_size: int = 16) -> KVSize:
     """Per-token and per-block KV bytes of ``spec`` on one of ``tp`` GPUs.
 
@@ -433,8 +426,8 @@ def kv_size(spec: ModelSpec, *, dtype: str | None = None, tp: int = 1, block_siz
     """
     if not isinstance(spec, ModelSpec):
         raise ValueError(f"spec must be a ModelSpec, got {type(spec).__name__}")
-    _check_int("tp", tp)
-    _check_int("block_size", block_size)
+    tp = int_at_least("tp", tp, 1)
+    block_size = int_at_least("block_size", block_size, 1)
     dt = dtype if dtype is not None else spec.dtype
     nbytes = dtype_bytes(dt)
     if spec.is_mla:
@@ -475,7 +468,7 @@ def estimate_weight_bytes(spec: ModelSpec, *, dtype: str | None = None, tp: int 
     """
     if not isinstance(spec, ModelSpec):
         raise ValueError(f"spec must be a ModelSpec, got {type(spec).__name__}")
-    _check_int("tp", tp)
+    tp = int_at_least("tp", tp, 1)
     if spec.is_mla or not spec.dense or not spec.vocab_size or not spec.intermediate_size:
         return None
     h, d = spec.hidden_size, spec.head_dim
@@ -497,10 +490,9 @@ class Capacity:
 
 
 def _check_gib(name: str, value: Any, zero_ok: bool) -> None:
-    bad = not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
-    if bad or value < 0 or (value == 0 and not zero_ok) or value > MAX_MEMORY_GIB:
-        raise ValueError(f"{name} must be a finite number {'>=' if zero_ok else '>'} 0 and at most "
-                         f"{MAX_MEMORY_GIB:,.0f} GiB (1 PiB), got {value!r}")
+    expected = f"a finite number {'>=' if zero_ok else '>'} 0 and at most {MAX_MEMORY_GIB:,.0f} GiB (1 PiB)"
+    if number_at_least(name, value, 0.0, strict=not zero_ok, expected=expected) > MAX_MEMORY_GIB:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
 
 
 def kv_budget_bytes(gpu_mem_gib: float, util: float, weights_gib: float) -> int:
@@ -509,7 +501,7 @@ def kv_budget_bytes(gpu_mem_gib: float, util: float, weights_gib: float) -> int:
     Memory sizes above ``MAX_MEMORY_GIB`` (1 PiB) are refused as typos."""
     for name, v in (("gpu_mem_gib", gpu_mem_gib), ("weights_gib", weights_gib)):
         _check_gib(name, v, zero_ok=True)
-    if not isinstance(util, (int, float)) or not 0 < util <= 1:
+    if number_at_least("util", util, 0.0, strict=True, expected="in (0, 1]") > 1:
         raise ValueError(f"util must be in (0, 1], got {util!r}")
     budget = gpu_mem_gib * util - weights_gib
     if budget <= 0:
@@ -581,7 +573,7 @@ def group_kv(spec: ModelSpec, context: int, *, dtype: str | None = None, tp: int
     :meth:`~pagedkv.kv_specs.AttentionSpec.blocks_held`). Example:
     gpt-oss-20b, 4,096 tokens, bf16, block size 16: the sliding group (12 layers x 2 x 8 heads x
     64 x 2 bytes = 24,576 bytes/token) holds 9 blocks, the full group 256."""
-    _check_int("context", context, lo=0)
+    context = int_at_least("context", context, 0)
     per_layer = kv_size(spec, dtype=dtype, tp=tp, block_size=block_size).bytes_per_token // spec.num_layers
     out = []
     for attention, layers in attention_groups(spec):

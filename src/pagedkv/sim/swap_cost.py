@@ -37,10 +37,10 @@ direction, 86.11 ms for the swap, against 1,024 x 2 x 8.03e9 / 989e12 = 16.63 ms
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterable
 
+from ..checks import int_at_least, number_at_least
 from . import sizing
 from .costmodel import CostModel
 
@@ -61,17 +61,6 @@ DEFAULT_COPY_LATENCY_S = 10e-6  # assumption: fixed cost of one host<->device co
 BLOCK_SIZES = tuple(2**i for i in range(9))  # 1, 2, 4, ..., 256: the sizes the paper's Fig. 19 spans
 
 
-def _positive_number(name: str, value, allow_zero: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name} must be a finite number {'>=' if allow_zero else '>'} 0, got {value!r}")
-
-
-def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
 @dataclass(frozen=True)
 class Link:
     """The host<->device link: ``bandwidth`` bytes/s per direction and a fixed ``latency_s`` per
@@ -81,8 +70,8 @@ class Link:
     latency_s: float = DEFAULT_COPY_LATENCY_S
 
     def __post_init__(self) -> None:
-        _positive_number("bandwidth", self.bandwidth)
-        _positive_number("latency_s", self.latency_s, allow_zero=True)
+        number_at_least("bandwidth", self.bandwidth, 0.0, strict=True)
+        number_at_least("latency_s", self.latency_s, 0.0)
 
     def seconds(self, copies: int, nbytes: int) -> float:
         """Time for ``copies`` copies moving ``nbytes`` in all, one after another."""
@@ -150,12 +139,12 @@ def swap_cost(tokens: int, block_size: int, model: str | sizing.ModelSpec = "Lla
     :func:`copies_per_block` (1 for a store that keeps each block contiguous). See the module
     docstring for the formulas and a worked number.
     """
-    _positive_int("tokens", tokens)
-    _positive_int("block_size", block_size)
+    tokens = int_at_least("tokens", tokens, 1)
+    block_size = int_at_least("block_size", block_size, 1)
     spec = _spec(model)
     if copies is None:
         copies = copies_per_block(spec)
-    _positive_int("copies", copies)
+    copies = int_at_least("copies", copies, 1)
     link = Link() if link is None else link
     if cost_model is None:
         cost_model = CostModel.for_model(spec.name)

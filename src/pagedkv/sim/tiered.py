@@ -45,10 +45,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..manager import KVCacheManager
+from ..checks import int_at_least, optional_int_at_least, require
 from ..types import TO_HOST
 from . import sizing
-from .baselines import PagedAllocator
+from .baselines import ManagerAllocator, PagedAllocator
 from .request import Request
 from .swap_cost import Link
 from .swap_cost import copies_per_block as layer_copies
@@ -105,26 +105,25 @@ class TieredAllocator(PagedAllocator):
                  hash_algo: str = "sha256", watermark: float = 0.01, beam_seed: int = 0) -> None:
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
-        if isinstance(host_blocks, bool) or not isinstance(host_blocks, int) or host_blocks < 0:
-            raise ValueError(f"host_blocks must be an int >= 0, got {host_blocks!r}")
+        host_blocks = int_at_least("host_blocks", host_blocks, 0)
         if preemption == "swap" and not host_blocks:
             raise ValueError("preemption='swap' needs a host tier (host_blocks > 0)")
-        if copies_per_block is not None and (isinstance(copies_per_block, bool)
-                                             or not isinstance(copies_per_block, int) or copies_per_block < 1):
-            raise ValueError(f"copies_per_block must be None or an int >= 1, got {copies_per_block!r}")
+        copies_per_block = optional_int_at_least("copies_per_block", copies_per_block, 1)
         if link is not None and not isinstance(link, Link):
             raise ValueError(f"link must be a Link, got {type(link).__name__}")
         spec = sizing.get_model(model)
-        super().__init__(num_blocks, block_size, enable_prefix_caching, hash_algo, watermark, beam_seed)
-        self.m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
-                                hash_algo=hash_algo, enable_events=False, host_blocks=host_blocks,
-                                host_write_policy=write_policy)
+        # PagedAllocator's request state over a manager that has the host tier (one manager,
+        # built once: PagedAllocator.__init__ would build one without it)
+        ManagerAllocator.__init__(
+            self, num_blocks, block_size, watermark=watermark, enable_prefix_caching=enable_prefix_caching,
+            hash_algo=hash_algo, host_blocks=host_blocks, host_write_policy=write_policy,
+            name=f"paged + host {host_blocks:,} ({preemption})" if host_blocks else "paged")
+        self._start_requests(beam_seed)
         self.host_blocks = host_blocks
         self.preemption = preemption
         self.link = Link() if link is None else link
         self.copies_per_block = layer_copies(spec) if copies_per_block is None else copies_per_block
         self.block_bytes = block_size * sizing.kv_bytes_per_token(spec)
-        self.name = f"paged + host {host_blocks:,} ({preemption})" if host_blocks else "paged"
         self.stats = TransferStats()
         self._live: set[str] = set()  # admitted and not released, swapped out or not
         self._swapped: dict[str, int] = {}  # req_id -> its tokens, which attention does not read
@@ -241,5 +240,6 @@ class TieredAllocator(PagedAllocator):
         m = self.m
         m.check_invariants()
         running = [r for r in self._live if r not in self._swapped]
-        assert self.kv_tokens == sum(m.num_tokens(s) for r in running for s in self.seq_ids(r))
-        assert self._swapped_tokens == sum(self._swapped.values())
+        read = sum(m.num_tokens(s) for r in running for s in self.seq_ids(r))
+        require(self.kv_tokens == read, f"{self.kv_tokens} token states counted as read, running sequences hold {read}")
+        require(self._swapped_tokens == sum(self._swapped.values()), "swapped-out token count out of step")

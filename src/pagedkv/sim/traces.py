@@ -45,6 +45,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterator
 
+from ..checks import int_at_least, optional_int_at_least
 from .request import Request
 
 __all__ = [
@@ -97,8 +98,10 @@ def content_key(kind: str, namespace: str, index: int) -> int:
         raise ValueError(f"unknown content kind {kind!r}; expected one of {sorted(_KINDS)}")
     if not isinstance(namespace, str):
         raise ValueError(f"namespace must be a string, got {namespace!r}")
-    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < 1 << 32:
-        raise ValueError(f"content index must be an int in [0, 2**32), got {index!r}")
+    span = "an int in [0, 2**32)"
+    index = int_at_least("content index", index, 0, expected=span)
+    if index >= 1 << 32:
+        raise ValueError(f"content index must be {span}, got {index!r}")
     ns = int.from_bytes(hashlib.blake2b(namespace.encode(), digest_size=3).digest(), "big")
     return (_KINDS[kind] << 56) | (ns << 32) | index
 
@@ -180,10 +183,8 @@ def trace_stem(path: str | Path) -> str:
 
 
 def _check_slice(start: int, limit: int | None) -> None:
-    if not isinstance(start, int) or isinstance(start, bool) or start < 0:
-        raise ValueError(f"start must be an int >= 0, got {start!r}")
-    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
-        raise ValueError(f"limit must be None or an int >= 0, got {limit!r}")
+    int_at_least("start", start, 0)
+    optional_int_at_least("limit", limit, 0)
 
 
 def _open(path: str | Path) -> Path:
@@ -382,8 +383,7 @@ def load_mooncake_jsonl(path: str | Path, *, limit: int | None = None, start: in
     the conversation trace: 6758 tokens, 14 ids -> 13 segments of 512 and one of 102.
     """
     _check_slice(start, limit)
-    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
-        raise ValueError(f"block must be a positive int, got {block!r}")
+    block = int_at_least("block", block, 1, expected="a positive int")
     p = _open(path)
     ns = namespace if namespace is not None else trace_stem(p)
     items = []

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checks import int_at_least, number_at_least
 from .request import Request
 from .traces import TRACE_FILES, content_key, default_data_dir, load_trace, trace_lengths, trace_path
 
@@ -109,14 +110,9 @@ MIN_ACCEPTANCE = 0.5  # a clamp may trim a tail, not reshape the distribution
 # ---- argument checks ----------------------------------------------------------------------------
 
 
-def _check_int(name: str, value: object, lo: int) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
-
-
 def _check_max_len(max_len: int | None) -> None:
     if max_len is not None:
-        _check_int("max_len", max_len, 2)
+        int_at_least("max_len", max_len, 2)
 
 
 def _check_rng(rng: object) -> None:
@@ -145,8 +141,7 @@ def solve_lognormal_mu(prompt_mean: float, output_mean: float, prompt_sigma: flo
     """
     for name, v in (("prompt_mean", prompt_mean), ("output_mean", output_mean),
                     ("prompt_sigma", prompt_sigma), ("output_sigma", output_sigma)):
-        if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        number_at_least(name, v, 0.0, strict=True)
     _check_max_len(max_len)
     if max_len is not None and prompt_mean + output_mean >= max_len:
         raise ValueError(f"means {prompt_mean} + {output_mean} cannot fit under max_len {max_len}")
@@ -224,9 +219,7 @@ def lognormal_spec(name: str, log_sd: float | None = None) -> LognormalSpec:
     spec = LOGNORMAL_SPECS[name]
     if log_sd is None:
         return spec
-    if not isinstance(log_sd, (int, float)) or isinstance(log_sd, bool) or not math.isfinite(log_sd) \
-            or log_sd <= 0:
-        raise ValueError(f"log_sd must be a finite number > 0, got {log_sd!r}")
+    number_at_least("log_sd", log_sd, 0.0, strict=True)
     return replace(spec, prompt_sigma=float(log_sd), output_sigma=float(log_sd),
                    source=f"{spec.source.split(';')[0]}; log-sd {log_sd:.3g} given")
 
@@ -237,7 +230,7 @@ def over_limit_share(name: str, max_len: int, log_sd: float | None = None) -> fl
     :func:`sample_lengths` redraw, on the solver's fixed sample (deterministic). ShareGPT, log-sd 1,
     ``max_len`` 2,048: about 2%."""
     spec = lognormal_spec(name, log_sd)
-    _check_int("max_len", max_len, 2)
+    int_at_least("max_len", max_len, 2)
     mus = solve_lognormal_mu(spec.prompt_mean, spec.output_mean, spec.prompt_sigma,
                              spec.output_sigma, max_len)
     z = np.random.default_rng(_SOLVER_SEED).standard_normal((2, _SOLVER_SAMPLES))
@@ -256,7 +249,7 @@ def sample_lengths(name: str, n: int, rng: np.random.Generator,
     """
     if name not in BUILTIN_WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; built-in: {', '.join(BUILTIN_WORKLOADS)}")
-    _check_int("n", n, 0)
+    int_at_least("n", n, 0)
     _check_rng(rng)
     _check_max_len(max_len)
     if log_sd is not None or name in LOGNORMAL_SPECS:
@@ -295,16 +288,14 @@ def arrival_times(n: int, rate: float | None, rng: np.random.Generator, process:
     ``cv``: cv = 2 gives shape 0.25, many near-zero gaps and a few long ones, i.e. bursts).
     Example: rate 4, 1000 requests -> the last arrives near 250 s.
     """
-    _check_int("n", n, 0)
+    int_at_least("n", n, 0)
     _check_rng(rng)
     if process not in ARRIVALS:
         raise ValueError(f"arrival process must be one of {ARRIVALS}, got {process!r}")
-    if not isinstance(cv, (int, float)) or not math.isfinite(cv) or cv <= 0:
-        raise ValueError(f"cv must be a finite number > 0, got {cv!r}")
+    number_at_least("cv", cv, 0.0, strict=True)
     if rate is None:
         return np.zeros(n)
-    if not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
-        raise ValueError(f"rate must be None or a finite number > 0, got {rate!r}")
+    number_at_least("rate", rate, 0.0, strict=True, expected="None or a finite number > 0")
     if process == "poisson":
         gaps = rng.exponential(1.0 / rate, n)
     else:
@@ -320,7 +311,7 @@ def clamp_request(req: Request, max_len: int) -> Request:
     """Cut a request to ``prompt + output <= max_len``: the prompt keeps at most ``max_len - 1``
     tokens (its tail segments are cut, so shared prefixes stay shared), the output the rest.
     Example: a 3000 + 500 request at 2048 becomes 2047 + 1."""
-    _check_int("max_len", max_len, 2)
+    int_at_least("max_len", max_len, 2)
     if req.total_len <= max_len:
         return req
     budget, segs = min(req.prompt_len, max_len - 1), []
@@ -342,9 +333,9 @@ class _Shared:
     frac: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_int("system_prompts", self.count, 0)
-        _check_int("system_prompt_len", self.length, 0)
-        if not isinstance(self.frac, (int, float)) or not 0.0 <= self.frac <= 1.0:
+        int_at_least("system_prompts", self.count, 0)
+        int_at_least("system_prompt_len", self.length, 0)
+        if number_at_least("system_prompt_frac", self.frac, 0.0, expected="in [0, 1]") > 1:
             raise ValueError(f"system_prompt_frac must be in [0, 1], got {self.frac!r}")
         if self.frac > 0 and (self.count < 1 or self.length < 1):
             raise ValueError("system_prompt_frac > 0 needs system_prompts >= 1 and system_prompt_len >= 1")
@@ -402,9 +393,9 @@ def load_workload(name_or_path: str | Path, num_requests: int | None = None, see
     Example: ``load_workload("sharegpt", 1000, seed=0, max_len=2048, rate=2.0)``: 1,000 requests,
     mean prompt ~161 and output ~338 tokens, none longer than 2,048, arriving ~2 per second.
     """
-    _check_int("seed", seed, 0)
-    _check_int("n", n, 1)
-    _check_int("beam_width", beam_width, 1)
+    int_at_least("seed", seed, 0)
+    int_at_least("n", n, 1)
+    int_at_least("beam_width", beam_width, 1)
     if n > 1 and beam_width > 1:
         raise ValueError("use n (parallel sampling) or beam_width (beam search), not both")
     _check_max_len(max_len)
@@ -435,7 +426,7 @@ def _base_requests(name_or_path, num_requests, seed, max_len, shared, rngs, star
     if key in BUILTIN_WORKLOADS:
         if num_requests is None:
             raise ValueError(f"built-in workload {key!r} needs num_requests")
-        _check_int("num_requests", num_requests, 0)
+        int_at_least("num_requests", num_requests, 0)
         if start:
             raise ValueError("start applies to trace files only")
         return _synthetic(key, num_requests, seed, max_len, shared, rngs, log_sd), None
@@ -446,6 +437,6 @@ def _base_requests(name_or_path, num_requests, seed, max_len, shared, rngs, star
         raise ValueError(f"{str(name_or_path)!r} is neither a built-in workload "
                          f"({', '.join(BUILTIN_WORKLOADS)}) nor an existing trace file")
     if num_requests is not None:
-        _check_int("num_requests", num_requests, 0)
+        int_at_least("num_requests", num_requests, 0)
     reqs = load_trace(path, limit=num_requests, start=start)
     return [(r.req_id, r.segments, r.output_len) for r in reqs], [r.arrival for r in reqs]

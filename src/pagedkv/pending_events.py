@@ -1,4 +1,8 @@
-"""The KV event log: one ordered list of cache events for every tier of a manager.
+"""The in-process KV event log: one ordered list of cache events for every tier of a manager.
+
+This is not the wire: events wait here, as Python objects, until ``take_events`` drains them;
+:mod:`pagedkv.events` is what turns a drained list into vLLM's bytes and publishes them. This
+module imports only :mod:`pagedkv.types`.
 
 A router mirrors which prefixes a cache holds by replaying its events in order, so the order is
 part of the meaning: a hash removed and then stored again is cached; stored and then removed is
