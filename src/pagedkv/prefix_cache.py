@@ -167,9 +167,9 @@ class PrefixCache:
                 if not rest:
                     del twins[h]
 
-    def _promote_twins(self, gone: Sequence[int], hashes: Sequence[Hashable], contents: list | None) -> set:
-        """Hashes ``hashes`` just left the map (their blocks ``gone``, with ``contents`` when
-        kept): for each one that has a live twin, the twin becomes its block. Returns the
+    def _promote_twins(self, hashes: Sequence[Hashable], contents: list | None) -> set:
+        """Hashes ``hashes`` just left the map (with their blocks' ``contents`` when kept): for
+        each one that has a live twin, the twin becomes its block. Returns the
         hashes that stay mapped, for which no ``BlockRemoved`` is due: a router keeps hashes,
         not blocks, and the hash is held all along. Example: block 5 maps [0, 0, 1, 1]'s hash,
         block 9 (live in another table) is its twin; 5 is evicted -> the hash maps 9."""
@@ -300,35 +300,33 @@ class PrefixCache:
         blocks go back clean. A hash with a live twin (see the module docstring) maps the twin
         instead and is not named: the twin's K/V was computed by its own sequence."""
         content = self._content
-        gone = [b for b in blocks if b in content] if content is not None else None  # (mapped ones)
-        hashes = self._pool.drop_keys(blocks)
-        contents = None
-        if content is not None:
-            contents = [content.pop(b) for b in gone]
-        if self._twins:
-            kept = self._promote_twins(gone, hashes, contents)
-            if kept:
-                hashes = [h for h in hashes if h not in kept]
-        if self._log is not None and hashes:
-            self._log.removed(hashes, self.medium)
+        gone = [b for b in blocks if b in content] if content is not None else ()  # (mapped ones)
+        self._left_map(gone, self._pool.drop_keys(blocks))
 
     def evicted(self, blocks: list, keys: list) -> list | None:
-        """The pool evicted cached ``blocks`` (it has dropped their ``keys`` already): forget
-        them. The pool calls this once per allocation; an owner that wraps the callback (a
-        host tier offloading what is evicted) calls it in turn, and gets the blocks'
-        ``(parent, tokens)`` back when the cache keeps content."""
+        """The pool's eviction hook: it evicted cached ``blocks`` and dropped their ``keys`` (both
+        directions). Called once per allocation; forgets their kept content, lets twins take
+        over, records one ``BlockRemoved``, then tells the listener (see
+        :meth:`forward_evictions`). Returns the blocks' kept ``(parent, tokens)``, or None."""
+        contents = self._left_map(blocks, keys)
+        if self._forward is not None:
+            self._forward(blocks, keys, contents)
+        return contents
+
+    def _left_map(self, blocks: Sequence[int], hashes: list) -> list | None:
+        """``blocks`` no longer carry ``hashes`` (the pool has dropped them, in the same order):
+        their kept content goes, a live twin takes over each hash it can, and one
+        ``BlockRemoved`` names the rest. Returns the contents (None unless kept)."""
         contents = None
         if self._content is not None:
             contents = [self._content.pop(b) for b in blocks]
-        removed = keys
+        removed = hashes
         if self._twins:
-            kept = self._promote_twins(blocks, keys, contents)
+            kept = self._promote_twins(hashes, contents)
             if kept:
-                removed = [h for h in keys if h not in kept]
+                removed = [h for h in hashes if h not in kept]
         if self._log is not None and removed:
             self._log.removed(removed, self.medium)
-        if self._forward is not None:
-            self._forward(blocks, keys, contents)
         return contents
 
     def clear(self) -> None:
