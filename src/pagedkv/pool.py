@@ -452,7 +452,7 @@ class BlockPool:
         carried by one block: ValueError when a key repeats or another block carries it. A block
         that carried a key carries the new one instead."""
         if self._check_args:
-            blocks = self._check_keying(blocks, keys)
+            blocks = self._check_keying(blocks, keys, True)
             for b, k in zip(blocks, keys):
                 held = self._blocks.get(k)
                 if held is not None and held != b:
@@ -476,7 +476,7 @@ class BlockPool:
         ["h", "g"])`` returns [5, 8]: 8 carries "g", 7 nothing. The blocks must be in use and
         carry no key."""
         if self._check_args:
-            blocks = self._check_keying(blocks, keys)
+            blocks = self._check_keying(blocks, keys, False)
             if any(map(self._keys.__contains__, blocks)):
                 raise ValueError("a block to publish carries a key already")
         held = list(map(self._blocks.setdefault, keys, blocks))
@@ -486,9 +486,10 @@ class BlockPool:
         self._keys.update((b, k) for b, k, h in zip(blocks, keys, held) if b == h)
         return held
 
-    def _check_keying(self, blocks: Sequence[int], keys: Sequence[Hashable]) -> list[int]:
-        """``blocks`` as a list of in-use ids, or ValueError: lengths differ, a block repeats
-        (it would carry two keys), a key is None or repeats (two blocks would carry it)."""
+    def _check_keying(self, blocks: Sequence[int], keys: Sequence[Hashable], unique_keys: bool) -> Sequence[int]:
+        """``blocks`` (as Python ints when they were not), or ValueError: lengths differ, a
+        block repeats (it would carry two keys), a key is None, or (``unique_keys``) a key
+        repeats (two blocks would carry it)."""
         if len(blocks) != len(keys):
             raise ValueError(f"{len(blocks)} blocks but {len(keys)} keys")
         if not self._distinct_in_use(blocks):
@@ -497,9 +498,9 @@ class BlockPool:
                 raise ValueError("a block appears twice among the blocks to key")
         if None in keys:
             raise ValueError("key must not be None")
-        if len(set(keys)) != len(keys):
+        if unique_keys and len(set(keys)) != len(keys):
             raise ValueError("a key appears twice among the keys to set")
-        return list(blocks)
+        return blocks
 
     def drop_key(self, block: int) -> None:
         """Forget a block's key; a cached-free block becomes clean (pushed on the clean stack)."""
