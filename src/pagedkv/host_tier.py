@@ -97,12 +97,6 @@ class HostTier:
     def has_pending(self) -> bool:
         return bool(self._to_host or self._to_device)
 
-    def is_load_destination(self, device_block: int) -> bool:
-        return device_block in self._load_dst
-
-    def is_store_source(self, device_block: int) -> bool:
-        return device_block in self._store_src
-
     def pending_on(self, device_blocks: Sequence[int]) -> bool:
         """Whether a pending transfer reads or fills any of ``device_blocks`` (a sequence whose
         blocks are such cannot be swapped out before the drain)."""
