@@ -430,22 +430,29 @@ def _device_chain(m, prompt):
 @pytest.mark.parametrize("corrupt", [False, True])
 def test_check_invariants_rehashes_the_host_blocks_content(corrupt):
     """A host block's kept (parent, tokens) must hash to the hash it is mapped under: that is
-    what the host republishes and loads. The manager cannot be led there through its public API,
-    so the tier is handed an offload whose content is not its hash's (test-only: the tier's own
-    public call, reached through the manager's private attribute). One token off is caught."""
+    what the host republishes and loads. A manager cannot be led there through its public API,
+    so a tier is handed an offload of the hash a manager published for tokens 0..3 (read from
+    its BlockStored), with those tokens or with one token off, and checked with the manager's
+    hash function (sha256 over little-endian uint32 tokens, chained): one token off is caught."""
+    from pagedkv.hashing import BlockHasher, token_bytes
+    from pagedkv.host_tier import HostTier
+
     m = make(num_blocks=6, host_blocks=4)
     hashes, root, tokens = _device_chain(m, toks(0, 9))
     assert tokens == tuple(toks(0, 8))
+    hasher = BlockHasher(m.hash_algo)
+    assert root == hasher.root()
     content = tuple(toks(0, 4)) if not corrupt else (0, 1, 2, 99)
-    m._tier.offload([0], [hashes[0]], [(root, content)])
-    m.take_transfers()
+    tier = HostTier(4, BS, None)
+    tier.offload([0], [hashes[0]], [(root, content)])
+    tier.take_transfers(None)
+    rehash = lambda parent, t: hasher.block(parent, token_bytes(t))  # noqa: E731
     if corrupt:
         with pytest.raises(AssertionError, match="CPU block 0: its kept tokens"):
-            m.check_invariants()
+            tier.check_invariants({}, rehash)
     else:
-        m.check_invariants()
-    hit = m.lookup(toks(0, 9))
-    assert (hit.device, hit.host) == (8, 0)  # the device's copy comes first either way
+        tier.check_invariants({}, rehash)
+    assert tier.longest_prefix(hashes, 2) == [0]  # the offloaded block serves its hash
 
 
 def test_host_tier_check_invariants_needs_the_hash_function_to_see_content():

@@ -377,6 +377,73 @@ def test_clear_cached():
 # ---------------------------------------------------------------- random walk vs a model
 
 
+# ---------------------------------------------------------------- the key <-> block bijection
+
+
+def test_a_key_finds_its_block_while_it_is_carried_and_not_after():
+    """``block_of`` is the inverse of ``key``: it finds an in-use or cached-free block by its key,
+    and forgets it when the key goes (dropped, evicted, cleared), in one step with ``key``."""
+    p = BlockPool(3)
+    a, b, c = p.allocate(3)
+    p.set_keys([a, b], ["ka", "kb"])
+    assert (p.block_of("ka"), p.block_of("kb"), p.block_of("kc")) == (a, b, None)
+    p.release_all([c, b, a])  # a and b cached-free, c clean
+    assert (p.block_of("ka"), p.block_of("kb")) == (a, b)
+    p.drop_key(b)
+    assert p.block_of("kb") is None and p.key(b) is None
+    assert p.allocate(3) == [b, c, a]  # the clean ones, then a evicted: its key goes
+    assert p.block_of("ka") is None and p.key(a) is None
+    p.check_invariants()
+
+
+def test_held_prefix_stops_at_the_first_key_no_block_carries():
+    """``held_prefix(keys, limit)``: the blocks of the longest run of carried keys from the
+    start, at most ``limit`` (a chained hash cannot hit after a miss)."""
+    p = BlockPool(4)
+    p.allocate(3)
+    p.set_keys([2, 0, 1], ["h0", "h1", "h2"])
+    assert p.held_prefix(["h0", "h1", "h2", "h3"], 4) == [2, 0, 1]
+    assert p.held_prefix(["h0", "h1", "h2"], 2) == [2, 0]
+    assert p.held_prefix(["h0", "hx", "h2"], 3) == [2]
+    assert p.held_prefix(["hx", "h0"], 2) == [] and p.held_prefix(["h0"], 0) == []
+
+
+def test_publish_keys_keys_only_the_blocks_whose_key_is_new():
+    """A key already carried keeps its older block (also one met earlier in the same call);
+    the result names, per pair, the block that carries the key; all new -> the caller's list."""
+    p = BlockPool(6)
+    p.allocate(5)
+    p.set_key(0, "h")
+    blocks = [1, 2, 3]
+    assert p.publish_keys(blocks, ["h", "g", "g"]) == [0, 2, 2]
+    assert [p.key(b) for b in range(4)] == ["h", None, "g", None]
+    fresh = [3, 4]
+    assert p.publish_keys(fresh, ["f", "e"]) is fresh
+    assert (p.block_of("f"), p.block_of("e")) == (3, 4)
+    p.check_invariants()
+
+
+def test_a_key_is_carried_by_one_block_and_a_refusal_changes_nothing():
+    """``set_keys`` refuses a key another block carries, a key twice, a block twice, and a
+    block that carries a key is refused by ``publish_keys``; each refusal keys nothing."""
+    p = BlockPool(4)
+    p.allocate(4)
+    p.set_key(0, "k")
+    before = pool_state(p)
+    with pytest.raises(ValueError, match="carried by block 0"):
+        p.set_keys([1, 2], ["j", "k"])
+    with pytest.raises(ValueError, match="key appears twice"):
+        p.set_keys([1, 2], ["j", "j"])
+    with pytest.raises(ValueError, match="block appears twice"):
+        p.set_keys([1, 1], ["j", "i"])
+    with pytest.raises(ValueError, match="carries a key already"):
+        p.publish_keys([0, 1], ["x", "y"])
+    assert pool_state(p) == before and p.block_of("j") is None
+    p.set_keys([0], ["k2"])  # re-keying a block: its old key leaves the map
+    assert (p.block_of("k"), p.block_of("k2"), p.key(0)) == (None, 0, "k2")
+    p.check_invariants()
+
+
 @given(st.data())
 def test_pool_matches_model(data):
     """Random allocate/incref/release/set_key/revive/clear sequences against a plain model of the

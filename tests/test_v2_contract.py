@@ -146,25 +146,51 @@ def test_lookup_with_caching_off_is_zero():
 
 def test_lookup_memo_is_bounded_and_survives_a_failed_admission(monkeypatch):
     """The hashes a lookup remembers for the admission are bounded by prompts and by blocks in
-    all, and an admission refused for lack of blocks leaves them there for its retry (white-box:
-    the memo is invisible through the API, so the test reads the manager's own counters)."""
+    all, and an admission refused for lack of blocks leaves them there for its retry. Seen
+    through the work the memo saves: a prompt it holds is not hashed again (the test counts the
+    hasher's public ``chain_keyed`` calls; a bound of 10 blocks, prompts of 3 full blocks)."""
     import pagedkv.manager as manager
+    from pagedkv.hashing import BlockHasher
 
     monkeypatch.setattr(manager, "HASH_MEMO_BLOCKS", 10)
+    hashed = []
+    real = BlockHasher.chain_keyed
+
+    def counting(self, parent, data, block_bytes, first, n, keys):
+        hashed.append(n)
+        return real(self, parent, data, block_bytes, first, n, keys)
+
+    monkeypatch.setattr(BlockHasher, "chain_keyed", counting)
     m = mk(4)
-    for i in range(5):  # 5 prompts of 3 full blocks: at most 3 fit under 10 blocks
-        m.lookup(toks(100 * i, 13))
-        assert m._memo_blocks == sum(map(len, m._hash_memo.values())) <= 10
-    assert len(m._hash_memo) == 3
-    m.lookup(toks(900, 4 * 11))  # 11 full blocks: more than the bound, never remembered
-    assert len(m._hash_memo) == 3 and m._memo_blocks == 9
+    prompts = [toks(100 * i, 13) for i in range(5)]
+    for p in prompts:
+        m.lookup(p)
+    assert hashed == [3] * 5
+    hashed.clear()
+    for p in prompts[2:]:  # at most 10 blocks: the newest 3 prompts (9 blocks) are held
+        m.lookup(p)
+    assert hashed == []
+    m.lookup(prompts[1])  # dropped, oldest first: hashed again, and it pushes prompts[2] out
+    m.lookup(prompts[2])
+    assert hashed == [3, 3]
+    hashed.clear()
+    big = toks(900, 4 * 11)  # 11 full blocks: more than the bound, never remembered
+    m.lookup(big)
+    m.lookup(big)
+    assert hashed == [11, 11]
+    hashed.clear()
+    for p in prompts[1:3]:  # and remembering nothing, it pushed nothing out
+        m.lookup(p)
+    assert hashed == []
     with pytest.raises(OutOfBlocks):
         m.add_sequence("big", toks(400, 13 + 8))  # 6 blocks needed, 4 in the pool
+    assert hashed == [5]  # not looked up: hashed by the admission itself
+    hashed.clear()
     m.lookup(toks(400, 21))
-    entries = dict(m._hash_memo)
-    with pytest.raises(OutOfBlocks):
-        m.add_sequence("big", toks(400, 21))
-    assert dict(m._hash_memo) == entries  # the refused admission took nothing away
+    for _ in range(2):
+        with pytest.raises(OutOfBlocks):
+            m.add_sequence("big", toks(400, 21))
+    assert hashed == [5]  # the lookup's only: each refused admission found the memo intact
     m.check_invariants()
 
 

@@ -42,7 +42,7 @@ from array import array
 from bisect import bisect_right
 from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
-__all__ = ["ALGORITHMS", "BlockHasher", "BlockKey", "ExtraKeys", "token_bytes", "MAX_TOKEN_ID"]
+__all__ = ["ALGORITHMS", "BlockHasher", "BlockKey", "ExtraKeys", "HashMemo", "token_bytes", "MAX_TOKEN_ID"]
 
 ALGORITHMS = ("sha256", "xxh3", "builtin")
 MAX_TOKEN_ID = 2**32 - 1  # token ids are stored as uint32 (every engine's vocabulary fits)
@@ -298,6 +298,13 @@ class BlockHasher:
         """Hash of one block's token bytes chained from ``parent``."""
         return self.digest(parent, data)
 
+    def rehash(self, parent: Hashable, tokens: Sequence[int], key: "BlockKey | None" = None) -> Hashable:
+        """One block's chained hash from its tokens (and extra keys), as every hash is computed
+        (little-endian uint32 bytes, then the key's suffix): what a cache's kept ``(parent,
+        tokens[, key])`` must give back, for the checks."""
+        data = token_bytes(tokens)
+        return self.digest(parent, data + key.suffix if key is not None else data)
+
     def chain(self, parent: Hashable, data: bytes, block_bytes: int, n: int) -> list:
         """Hashes of the first ``n`` blocks of ``data``, each chained from the one before.
 
@@ -369,3 +376,50 @@ def _make_digest(algo: str) -> Callable[[Any, bytes], Hashable]:
         return hash((parent, key + data))
 
     return digest
+
+
+class HashMemo:
+    """Prompts' chained block hashes, computed by a lookup and kept for the admission of the same
+    prompt: a scheduler that looks a waiting request up every step hashes its prompt once, as
+    vLLM keeps the hashes on the request. Least recently used first out, bounded by prompts
+    (``max_entries``) and by hashes in all (``max_blocks``), whichever binds first: at 256
+    prompts and 65,536 hashes (about 5 MiB) a few 100,000-token prompts cannot make it hold
+    hundreds of MiB. A prompt of more than ``max_blocks`` full blocks is never kept.
+
+    The key is the caller's: the manager uses (extra keys' identity, sha256 of the prompt's
+    bytes), so equal keys mean equal prompts under equal extra keys whatever the algorithm.
+    """
+
+    __slots__ = ("_memo", "_held", "max_entries", "max_blocks", "entries")
+
+    def __init__(self, max_entries: int, max_blocks: int) -> None:
+        self._memo: dict[Hashable, list] = {}  # insertion order is recency order
+        self._held = 0  # hashes held by all entries
+        self.max_entries = max_entries
+        self.max_blocks = max_blocks
+        # Prompts held: an attribute, not __len__, so that an admission asks "is the memo
+        # empty?" (and skips hashing its prompt's bytes for a key) without a Python call.
+        self.entries = 0
+
+    def get(self, key: Hashable) -> list | None:
+        """The hashes kept under ``key`` (now the most recently used), or None."""
+        hashes = self._memo.pop(key, None)
+        if hashes is not None:
+            self._memo[key] = hashes
+        return hashes
+
+    def put(self, key: Hashable, hashes: list) -> None:
+        """Keep ``hashes`` under ``key``, dropping the least recently used entries over the
+        bounds. Example (bounds 3 prompts, 10 hashes): prompts of 3, 3, 3 hashes, then one of 2
+        -> the first is dropped (4 prompts), leaving 8 hashes."""
+        if len(hashes) > self.max_blocks:
+            return
+        memo = self._memo
+        old = memo.pop(key, None)
+        if old is not None:
+            self._held -= len(old)
+        memo[key] = hashes
+        self._held += len(hashes)
+        while len(memo) > self.max_entries or self._held > self.max_blocks:
+            self._held -= len(memo.pop(next(iter(memo))))
+        self.entries = len(memo)

@@ -62,9 +62,9 @@ class HostTier:
         self._first: set[int] = set()
         self._gone: list = []  # hashes the host evicted in the allocation under way
         if self._cache is not None:
-            self._pool.on_evict_many = self._host_evicted
+            self._cache.forward_evictions(self._host_evicted)
         self._bs = block_size
-        self.write_policy = write_policy
+        self._policy = write_policy
         self._to_host: list[Transfer] = []
         self._to_device: list[Transfer] = []
         self._pinned: list[int] = []  # one entry per reference a pending transfer holds
@@ -94,21 +94,20 @@ class HostTier:
     def num_cached(self) -> int:
         return self._pool.num_cached
 
-    @property
-    def evictions(self) -> int:
-        return self._pool.evictions
-
-    def refcount(self, block: int) -> int:
-        return self._pool.refcount(block)
-
     def has_pending(self) -> bool:
         return bool(self._to_host or self._to_device)
 
-    def is_load_destination(self, device_block: int) -> bool:
-        return device_block in self._load_dst
+    def pending_on(self, device_blocks: Sequence[int]) -> bool:
+        """Whether a pending transfer reads or fills any of ``device_blocks`` (a sequence whose
+        blocks are such cannot be swapped out before the drain)."""
+        load, store = self._load_dst, self._store_src
+        return any(d in load or d in store for d in device_blocks)
 
-    def is_store_source(self, device_block: int) -> bool:
-        return device_block in self._store_src
+    def usage_fields(self) -> dict:
+        """The host tier's part of :class:`~pagedkv.types.Usage`, from its own counters."""
+        return dict(host_blocks=self.num_blocks, host_used_blocks=self.num_used,
+                    host_cached_blocks=self.num_cached, host_hit_tokens=self.hit_tokens,
+                    transfers_to_host=self.to_host_count, transfers_to_device=self.to_device_count)
 
     # ---- reachability ------------------------------------------------------------------------
 
@@ -138,10 +137,9 @@ class HostTier:
                 del self._kids[parent]
         self._first.discard(host_block)
 
-    def _host_evicted(self, blocks: list, keys: list) -> None:
-        """The host pool evicted cached blocks to make room: the host cache forgets them, and
-        their hashes are checked for orphaned children once the allocation is complete."""
-        contents = self._cache.evicted(blocks, keys)
+    def _host_evicted(self, blocks: list, keys: list, contents: list) -> None:
+        """The host pool evicted cached blocks to make room and the host cache has forgotten
+        them: their hashes are checked for orphaned children once the allocation is complete."""
         for b, c in zip(blocks, contents):
             self._unlinked(b, c[0])
         self._gone += keys
@@ -183,11 +181,12 @@ class HostTier:
             self._pool.acquire(host_blocks)
             self._pinned += host_blocks
 
-    def unpin(self, host_blocks: Sequence[int]) -> None:
-        """Undo :meth:`pin` for loads that were not queued after all."""
-        for h in host_blocks:
-            self._pinned.remove(h)
-        self._pool.release_all(list(host_blocks))
+    def load_hits(self, host_blocks: Sequence[int], device_blocks: Sequence[int]) -> None:
+        """An admission's prefix hits on the host (pinned first): ``to_device`` transfers into
+        ``device_blocks``, counted as host hit tokens (a block's worth each). Example (block
+        size 16): two host hits -> two transfers, ``hit_tokens`` up by 32."""
+        self.queue_loads(host_blocks, device_blocks)
+        self.hit_tokens += len(host_blocks) * self._bs
 
     def queue_loads(self, host_blocks: Sequence[int], device_blocks: Sequence[int]) -> None:
         """``to_device`` transfers of pinned host blocks into fresh device blocks."""
@@ -195,6 +194,17 @@ class HostTier:
             self._to_device.append(Transfer(TO_DEVICE, h, d))
             self._load_dst[d] = h
         self.to_device_count += len(host_blocks)
+
+    def drop_released_loads(self, device_blocks: Sequence[int], refcount: Callable[[int], int]) -> list[int]:
+        """A sequence is freed holding ``device_blocks``: the ones it alone holds (``refcount``
+        1) and a pending load fills lose that load (see :meth:`drop_loads_into`). Returns them:
+        their K/V never arrives, so the device must not keep them findable."""
+        if not (self._to_host or self._to_device):
+            return []
+        load = self._load_dst
+        unloaded = [d for d in device_blocks if d in load and refcount(d) == 1]
+        self.drop_loads_into(unloaded)
+        return unloaded
 
     def drop_loads_into(self, device_blocks: Sequence[int]) -> None:
         """Their only holder released these device blocks before the step ran: the loads into
@@ -209,7 +219,8 @@ class HostTier:
     # ---- offloading --------------------------------------------------------------------------
 
     def offload(self, device_blocks: Sequence[int], hashes: Sequence[Hashable], contents: Sequence[tuple]) -> None:
-        """Write-back: the device evicted these cached blocks (one allocation's batch). Each one
+        """Write-back: the device evicted these cached blocks (one allocation's batch; the
+        device cache calls this, see :meth:`PrefixCache.forward_evictions`). Each one
         the host does not hold yet gets a host block (evicting the host's least recently used if
         need be) and a ``to_host`` transfer; with no host block to spare, it is simply forgotten.
 
@@ -229,7 +240,7 @@ class HostTier:
         if self._wt_new or self._wt_ready:  # an evicted block's pending write-through is void
             self.forget_published(device_blocks)  # (the block may come back under the same
             # hash in this very allocation, recomputed: the copy waits for that publication's)
-        if self.write_policy != "none":
+        if self._policy != "none":
             new, held = [], []
             for d, h, c in zip(device_blocks, hashes, contents):
                 hb = cache.get(h)
@@ -338,12 +349,19 @@ class HostTier:
 
     # ---- swapping ----------------------------------------------------------------------------
 
-    def swap_out(self, device_blocks: Sequence[int], hashes: Sequence[Hashable | None],
-                 contents: Sequence[tuple | None], what: str) -> list[int]:
+    def swap_out(self, device_blocks: Sequence[int], hashes: Sequence[Hashable | None], what: str) -> list[int]:
         """Host blocks for a swapped-out sequence's private device blocks (one reference each,
-        the sequence's), with their ``to_host`` transfers. A block that carries a hash is
-        published on the host too, so later prompts can load it. Atomic: OutOfBlocks if the
-        host has too few free blocks."""
+        the sequence's), with their ``to_host`` transfers. ``hashes``: each block's chained hash
+        (None for a block not full). A block the device cache maps under its hash is published
+        on the host too, with the device's kept content, so later prompts can load it. Atomic:
+        OutOfBlocks if the host has too few free blocks."""
+        device = self._device
+        contents = []
+        if device is not None:  # only blocks the device really publishes under their hash
+            hashes = [h if h is not None and device.get(h) == d else None for d, h in zip(device_blocks, hashes)]
+            contents = [device.content_of(d) if h is not None else None for d, h in zip(device_blocks, hashes)]
+        else:
+            hashes = contents = [None] * len(device_blocks)
         n = len(device_blocks)
         try:
             host = self._pool.allocate(n)
@@ -365,12 +383,32 @@ class HostTier:
             self.drop_orphans(gone)
         return host
 
-    def swap_in(self, host_blocks: Sequence[int], device_blocks: Sequence[int]) -> None:
+    def plan_swap_in(self, host: dict[int, int], hashes: Sequence[Hashable], nfull: int) -> tuple[dict, list]:
+        """For a swapped-out sequence (``host``: table index -> host block; ``hashes``: its
+        chained hashes, ``nfull`` of its blocks full): ``(revive, loads)``, the indexes whose
+        content the device still caches (index -> that device block: revived, no transfer) and
+        the indexes to load, ascending. Example: full blocks 0 and 1 on the host, block 0's
+        hash still mapped on the device to block 7 -> ({0: 7}, [1])."""
+        order = sorted(host)
+        revive = {}
+        device = self._device
+        if device is not None:
+            for i in order:
+                if i < nfull:
+                    d = device.get(hashes[i])
+                    if d is not None:
+                        revive[i] = d
+        return revive, [i for i in order if i not in revive]
+
+    def swap_in(self, host_blocks: Sequence[int], device_blocks: Sequence[int], revived: Sequence[int] = ()) -> None:
         """The swapped sequence's host blocks go back into ``device_blocks``: ``to_device``
-        transfers (pinning the host blocks until drained), and the sequence lets go of them."""
+        transfers (pinning the host blocks until drained), and the sequence lets go of them and
+        of ``revived`` (host blocks whose content the device still had)."""
         self.pin(host_blocks)
         self.queue_loads(host_blocks, device_blocks)
         self.release(host_blocks)
+        if revived:
+            self.release(revived)
 
     def release(self, host_blocks: Sequence[int]) -> None:
         """A sequence lets go of host blocks (freed while swapped out, or swapped back in)."""
@@ -442,7 +480,8 @@ class HostTier:
         if cache is None:
             return
         kids: dict = {}
-        for h, hb in cache.items():
+        mapped = self._pool.keyed_blocks()  # host block -> its hash (one bijection with the map)
+        for hb in mapped:
             parent = cache.content_of(hb)[0]
             kids.setdefault(parent, set()).add(hb)
             if self._device is not None and not (
@@ -451,7 +490,7 @@ class HostTier:
                                      f"and it is not a first block")
         if kids != self._kids:
             raise AssertionError("the host's child index differs from its content")
-        if not self._first <= set(dict(cache.items()).values()):
+        if not self._first <= mapped.keys():
             raise AssertionError("a first-block mark outlived its host block")
 
 

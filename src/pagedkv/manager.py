@@ -1,13 +1,22 @@
-"""KVCacheManager: sequences, block tables, fork, copy-on-write, prefix hits, exports, usage.
+"""KVCacheManager: the facade of the allocator; sequences, block tables, fork, copy-on-write,
+prefix hits, exports, usage.
 
-This is the only layer that knows what a sequence is. Per sequence it keeps the block table
-(logical block i -> physical block id, plus an int32 mirror that the kernel exports slice), the
-token ids, the chained hashes of its full blocks (when prefix caching is on), how much of its
-prompt is still unscheduled (chunked prefill), how many draft tokens are pending (speculative
-decoding), and the slot its next token takes when no decision is needed (the decode fast path).
-Everything physical (refcounts, free list, eviction) belongs to :class:`~pagedkv.pool.BlockPool`;
-the hash -> block map and the events to :class:`~pagedkv.prefix_cache.PrefixCache`. The manager
-uses only their public methods.
+This is the only layer that knows what a sequence is: it holds the dict of live sequences and
+runs the hot paths (append, fork, free), where a call into another module per token would cost
+more than the work. Each structure it drives has one owner, and the manager uses only their
+public methods:
+
+* :mod:`~pagedkv.sequences`: one sequence's state (:class:`~pagedkv.sequences.Seq`: table and
+  its int32 mirror, tokens, chained hashes, prefill and draft counters, the decode fast-path
+  slot), the kernel exports and the per-sequence checks;
+* :class:`~pagedkv.pool.BlockPool`: refcounts, free list, eviction, and the hash <-> block
+  bijection;
+* :class:`~pagedkv.prefix_cache.PrefixCache`: publishing, events, twins, hit statistics;
+* :class:`~pagedkv.copy_queue.CopyQueue`: the pending copies, and every allocation they
+  constrain;
+* :class:`~pagedkv.host_tier.HostTier`: host blocks, transfers, the device side of swaps and
+  loads, and its own counters;
+* :class:`~pagedkv.hashing.HashMemo`: prompts' hashes a lookup computed, for their admission.
 
 The life of a decode step, with block size 16::
 
@@ -25,117 +34,41 @@ leaves the manager exactly as it was.
 from __future__ import annotations
 
 import hashlib
-import operator
-import sys
 from array import array
-from collections import Counter, OrderedDict
-from collections.abc import Sequence as SequenceABC
+from collections import Counter
 from itertools import chain
 from operator import itemgetter
-from typing import Any, Collection, Hashable, Iterable, Sequence
+from typing import Any, Hashable, Iterable, Sequence
 
 import numpy as np
 
 from .pending_events import EventLog
-from .hashing import MAX_TOKEN_ID, BlockHasher, BlockKey, ExtraKeys, token_bytes
+from .hashing import MAX_TOKEN_ID, BlockHasher, ExtraKeys, HashMemo
 from .host_tier import WRITE_POLICIES, HostTier
 from .checks import as_int
 from .checks import require as _require
+from .copy_queue import CopyQueue
 from .pool import MAX_BLOCKS, BlockPool
 from .prefix_cache import PrefixCache
-from .types import CopyOp, OutOfBlocks, PrefixHit, Transfer, Usage
+from .sequences import Seq as _Seq
+from .sequences import as_token as _as_token
+from .sequences import (block_tables, blocks_for_step, check_hashes, check_tables, filled_columns, flashinfer_layout,
+                        logical_usage, not_ready, slots_of)
+from .sequences import count as _count
+from .sequences import id_sequence as _id_sequence
+from .sequences import known as _known
+from .sequences import le_bytes as _le_bytes
+from .sequences import token_array as _token_array
+from .types import CopyOp, PrefixHit, Transfer, Usage
 
 __all__ = ["KVCacheManager"]
 
-_BIG_ENDIAN = sys.byteorder == "big"
 # Prompts whose block hashes a lookup computed (the waiting queue a scheduler keeps asking
 # about): at most 256 prompts and 65,536 block hashes in all (about 5 MiB), whichever binds
 # first, so that a few 100,000-token prompts cannot make the memo hold hundreds of MiB.
 HASH_MEMO_ENTRIES = 256
 HASH_MEMO_BLOCKS = 1 << 16
 MAX_BLOCK_SIZE = 2**31 - 1  # FlashInfer's last_page_len and every slot stay int32/int64-exact
-
-
-class _Seq:
-    """One sequence's state: its block table, its tokens, its full blocks' chained hashes.
-
-    Tokens are an ``array('I')``: 4 bytes a token instead of a list's 8-byte pointer to a 28-byte
-    int; forking a 2,048-token sequence copies 8 KiB rather than a list of 2,048 pointers; and a
-    just-filled block's bytes for hashing are one slice away.
-
-    Positions: ``tokens`` holds every token the sequence knows (the whole prompt from admission
-    on, appended tokens, pending drafts). The first ``len(tokens) - unscheduled`` positions are
-    scheduled for compute and covered by ``table``; the last ``drafts`` of them are speculative.
-    Both counters are 0 for a sequence in the plain decode loop, and the decode path never
-    touches them. ``hashes`` holds the chained hashes of every full block of the non-draft
-    tokens (for a prompt mid-prefill, also of blocks not yet scheduled: they are published as
-    chunks schedule them). ``keys``: the request's extra keys (LoRA name, multimodal items,
-    salt; see :class:`~pagedkv.hashing.ExtraKeys`), None for a plain request.
-
-    ``written``: how many leading blocks held K/V computed before this sequence was scheduled
-    (its prefix hits, device and host; for a fork, the full blocks it shared with its parent,
-    whose step wrote them). ``free(id, cache=False)`` unpublishes only the blocks after them.
-    """
-
-    __slots__ = ("table", "tokens", "hashes", "keys", "mirror", "nxt", "unscheduled", "drafts", "host",
-                 "written")
-
-    def __init__(self, table: list, tokens: array, hashes: list, keys: ExtraKeys | None, mirror=None,
-                 nxt: int = -1, unscheduled: int = 0, written: int = 0) -> None:
-        self.table = table
-        self.tokens = tokens
-        self.hashes = hashes
-        self.keys = keys
-        # The table as int32 with spare capacity, which the kernel exports slice. Built on the
-        # first export (many sequences never need one), then kept.
-        self.mirror = mirror
-        # The slot the next token takes when that needs no decision: the last block is partial
-        # and this sequence is its only holder. -1 sends the append down the slow path (full
-        # last block, a fork may have shared it, or the sequence is mid-prefill or holds
-        # drafts). Only fork shares a partial block, and fork resets it on both sides, so the
-        # fast path never writes into a shared block.
-        self.nxt = nxt
-        self.unscheduled = unscheduled
-        self.drafts = 0
-        # Swapped out: logical block index -> host block, for the blocks moved to the host tier
-        # (their table entries are -1 meanwhile). None while the sequence is on the device.
-        self.host: dict[int, int] | None = None
-        self.written = written
-
-    @property
-    def computed(self) -> int:
-        """Positions scheduled for compute (hits, prefilled chunks, appended tokens, drafts)."""
-        return len(self.tokens) - self.unscheduled
-
-    def add_block(self, b: int) -> None:
-        """Append a block to the table and its int32 mirror, if built (grown by doubling)."""
-        n = len(self.table)
-        self.table.append(b)
-        mirror = self.mirror
-        if mirror is not None:
-            if n == len(mirror):
-                self.mirror = mirror = np.concatenate([mirror, np.empty(n, dtype=np.int32)])
-            mirror[n] = b
-
-    def add_blocks(self, blocks: list) -> None:
-        if self.mirror is None:
-            self.table += blocks
-        else:
-            for b in blocks:
-                self.add_block(b)
-
-    def set_last(self, b: int) -> None:
-        self.table[-1] = b
-        if self.mirror is not None:
-            self.mirror[len(self.table) - 1] = b
-
-    def int32_table(self) -> np.ndarray:
-        """The table as int32 (a view of the mirror, built on first use)."""
-        n = len(self.table)
-        if self.mirror is None:
-            self.mirror = np.empty(max(8, 2 * n), dtype=np.int32)
-            self.mirror[:n] = self.table
-        return self.mirror[:n]
 
 
 class KVCacheManager:
@@ -236,7 +169,7 @@ class KVCacheManager:
         self._tier = (HostTier(host_blocks, block_size, self._log, host_write_policy, enable_prefix_caching,
                                device=self._cache, root=self._root) if tiered else None)
         if self._tier is not None and self._cache is not None:  # every policy: see HostTier.offload
-            self._pool.on_evict_many = self._offload_evicted
+            self._cache.forward_evictions(self._tier.offload)
         self._write_through = tiered and enable_prefix_caching and host_write_policy == "write-through"
         # With a host tier: the sequences given positions or blocks since the last
         # take_transfers() (the step's first drain). Their K/V is written only after that
@@ -252,16 +185,10 @@ class KVCacheManager:
         self._offsets = np.arange(block_size, dtype=np.int64) if block_size <= 1 << 16 else None
         self._seqs: dict[Hashable, _Seq] = {}
         self._unready = 0  # sequences mid-prefill or holding drafts: only they need checks
-        # Pending copies, and two indexes over them that keep the list batch-safe.
-        self._copies: list[CopyOp] = []
-        self._copy_dst: dict[int, int] = {}  # destination -> its source
-        self._copy_src: dict[int, int] = {}  # source -> how many pending copies read it
-        # (extra keys' identity or None, sha256 of the prompt's bytes) -> its full blocks' chained
-        # hashes, computed by lookup and taken by the admission of the same prompt: a scheduler
-        # that looks a waiting request up every step hashes its prompt once, as vLLM keeps hashes
-        # on the request.
-        self._hash_memo: OrderedDict[tuple, list] = OrderedDict()
-        self._memo_blocks = 0  # hashes held by the memo's entries
+        # Pending copy-on-write copies and every allocation made while some are pending.
+        self._cq = CopyQueue(self._pool)
+        # Prompts' hashes computed by lookup, for the admission of the same prompt (see HashMemo).
+        self._hash_memo = HashMemo(HASH_MEMO_ENTRIES, HASH_MEMO_BLOCKS)
         self._cow_copies = 0
         self._forks = 0
 
@@ -388,27 +315,13 @@ class KVCacheManager:
         """
         s = self._seq(seq_id)
         if s.host is not None:
-            raise ValueError(self._not_ready(seq_id, s, "read the slots of"))
+            raise ValueError(not_ready(seq_id, s, "read the slots of"))
         n = s.computed
         start = as_int(start, "start")
         stop = n if stop is None else as_int(stop, "stop")
         if not 0 <= start <= stop <= n:
             raise ValueError(f"need 0 <= start <= stop <= {n} (scheduled positions), got {start}, {stop}")
-        return self._slots(s, start, stop)
-
-    def _slots(self, s: _Seq, start: int, stop: int) -> np.ndarray:
-        """Slots of positions ``start..stop`` (validated): whole blocks' slot rows, trimmed."""
-        if start == stop:
-            return np.empty(0, dtype=np.int64)
-        bs = self._bs
-        first, last = start // bs, (stop - 1) // bs
-        blocks = np.asarray(s.table[first : last + 1], dtype=np.int64)
-        if self._offsets is None:
-            pos = np.arange(start, stop, dtype=np.int64)
-            return blocks[pos // bs - first] * bs + pos % bs
-        rows = (blocks[:, None] * bs + self._offsets).ravel()
-        lo = start - first * bs
-        return rows[lo : lo + stop - start]
+        return slots_of(s, start, stop, self._bs, self._offsets)
 
     def _seq_list(self, seq_ids: Iterable[Hashable]) -> list[_Seq]:
         """Sequences for a kernel export: known, hashable, and on the device."""
@@ -420,7 +333,7 @@ class KVCacheManager:
         if self._swapped:
             for sid, s in zip(seq_ids, out):
                 if s.host is not None:
-                    raise ValueError(self._not_ready(sid, s, "export the block table of"))
+                    raise ValueError(not_ready(sid, s, "export the block table of"))
         return out
 
     def _seq(self, seq_id: Hashable) -> _Seq:
@@ -472,18 +385,14 @@ class KVCacheManager:
         request) and a sha256 of the prompt's bytes, so equal keys mean equal prompts under equal
         extra keys whatever ``hash_algo`` is."""
         memo = self._hash_memo
-        if memo or remember:
+        if memo.entries or remember:
             key = (keys.ident if keys is not None else None, hashlib.sha256(data).digest())
             hashes = memo.get(key)
             if hashes is not None:
-                memo.move_to_end(key)
                 return hashes if remember else hashes.copy()
         hashes = self._hasher.chain_keyed(self._root, data, 4 * self._bs, 0, nfull, keys)
-        if remember and nfull <= HASH_MEMO_BLOCKS:
-            memo[key] = hashes
-            self._memo_blocks += nfull
-            while len(memo) > HASH_MEMO_ENTRIES or self._memo_blocks > HASH_MEMO_BLOCKS:
-                self._memo_blocks -= len(memo.popitem(last=False)[1])
+        if remember:
+            memo.put(key, hashes)
         return hashes
 
     def add_sequence(self, seq_id: Hashable, prompt_ids: Sequence[int], cache_salt: Any = None,
@@ -543,14 +452,8 @@ class KVCacheManager:
         need = -(-(n if reserve else computed) // bs) - len(hits)
         if loads:
             table = hits + self._admit_with_loads(hits, loads, need, seq_id)
-        elif self._copy_src:
-            self._check_room(need, 0, f"admitting {seq_id!r}", hits)
-            table = hits + self._take(need, 0, hits)[1]
         else:
-            try:
-                table = hits + self._pool.allocate(need, acquire=hits)
-            except OutOfBlocks as e:
-                raise OutOfBlocks(e.needed, e.available, f"admitting {seq_id!r}") from None
+            table = hits + self._cq.fresh(need, "admitting", seq_id, hits)
         s = _Seq(table, tokens, hashes, keys, unscheduled=n - computed, written=len(hits) + len(loads))
         if self._busy is not None and need:  # new positions (hits are whole blocks) or loads
             self._busy.add(s)  # nothing computed yet: no swap_out before the step runs
@@ -583,14 +486,8 @@ class KVCacheManager:
         start = len(s.tokens) - rest
         stop = start + n
         need = -(-stop // bs) - len(s.table)  # < 0 when blocks were reserved at admission
-        if need > 0 and self._copy_src:
-            self._check_room(need, 0, f"prefilling {seq_id!r}")
-            s.add_blocks(self._take(need, 0)[1])
-        elif need > 0:
-            try:
-                s.add_blocks(self._pool.allocate(need))
-            except OutOfBlocks as e:
-                raise OutOfBlocks(e.needed, e.available, f"prefilling {seq_id!r}") from None
+        if need > 0:
+            s.add_blocks(self._cq.fresh(need, "prefilling", seq_id))
         s.unscheduled = rest - n
         if self._busy is not None:
             self._busy.add(s)
@@ -600,13 +497,7 @@ class KVCacheManager:
             self._unready -= 1
             if stop % bs:
                 s.nxt = s.table[-1] * bs + stop % bs  # fresh for this sequence: private
-        return self._slots(s, start, stop)
-
-    def _offload_evicted(self, blocks: list, keys: list) -> None:
-        """The device pool evicted cached blocks: the device cache forgets them, and the host
-        tier keeps what it does not hold yet (write-back)."""
-        contents = self._cache.evicted(blocks, keys)
-        self._tier.offload(blocks, keys, contents)
+        return slots_of(s, start, stop, self._bs, self._offsets)
 
     def _admit_with_loads(self, hits: list[int], loads: list[int], need: int, seq_id: Hashable) -> list[int]:
         """Device blocks for an admission some of whose hits are on the host: ``len(loads)``
@@ -614,13 +505,11 @@ class KVCacheManager:
         then fresh blocks; atomic. Host blocks are pinned first, so that offloads the device
         allocation causes cannot evict them from the host."""
         j = len(loads)
-        self._check_room(need - j, j, f"admitting {seq_id!r}", hits)
+        self._cq.check_room(need - j, j, f"admitting {seq_id!r}", hits)
         self._tier.pin(loads)
-        dst, fresh = self._take(need - j, j, hits)
-        new = dst + fresh
-        self._tier.queue_loads(loads, dst)
-        self._tier.hit_tokens += j * self._bs
-        return new
+        dst, fresh = self._cq.allocate(need - j, j, hits)
+        self._tier.load_hits(loads, dst)
+        return dst + fresh
 
     def _publish_run(self, s: _Seq, first: int, stop: int) -> None:
         """Offer the sequence's full blocks ``first..stop`` (chained) to the prefix cache."""
@@ -652,8 +541,8 @@ class KVCacheManager:
             raise ValueError(f"token id {token_id} outside [0, {MAX_TOKEN_ID}]")
         slot = s.nxt  # _append, inlined: this is the per-token path
         if slot < 0:
-            if s.unscheduled or s.drafts or s.host is not None:  # never a fast-path slot
-                raise ValueError(self._not_ready(seq_id, s, "append to"))
+            if s.unready:  # never a fast-path slot
+                raise ValueError(not_ready(seq_id, s, "append to"))
             slot = self._slot_slow(s)
         s.tokens.append(token_id)
         nxt = slot + 1
@@ -677,7 +566,7 @@ class KVCacheManager:
             raise ValueError(f"speculative must be a bool, got {speculative!r}")
         toks = _token_array(token_ids)
         if s.unscheduled or (s.drafts and not speculative) or s.host is not None:
-            raise ValueError(self._not_ready(seq_id, s, "append to"))
+            raise ValueError(not_ready(seq_id, s, "append to"))
         if not toks:
             return []
         bs, n, k = self._bs, len(s.tokens), len(toks)
@@ -696,7 +585,7 @@ class KVCacheManager:
         fresh = -(-(n + k) // bs) - -(-n // bs)
         copies = 1 if n % bs and self._pool.refcount(s.table[-1]) > 1 else 0
         if fresh + copies:
-            self._check_room(fresh, copies, f"appending to {seq_id!r}")
+            self._cq.check_room(fresh, copies, f"appending to {seq_id!r}")
         if self._busy is not None:
             self._busy.add(s)
         if speculative:
@@ -779,11 +668,11 @@ class KVCacheManager:
             raise ValueError("a sequence id appears twice in one append_batch")
         if self._unready:
             for sid, s in zip(seq_ids, ss):
-                if s.unscheduled or s.drafts or s.host is not None:
-                    raise ValueError(self._not_ready(sid, s, "append to"))
-        if self._pool.num_free < n or self._copy_src:  # only then can the batch fail: count
-            fresh, copies = self._blocks_for_step(ss)
-            self._check_room(fresh, copies, "a decode step")
+                if s.unready:
+                    raise ValueError(not_ready(sid, s, "append to"))
+        if self._pool.num_free < n or self._cq.sources:  # only then can the batch fail: count
+            fresh, copies = blocks_for_step(ss, self._bs, self._pool.refcount)
+            self._cq.check_room(fresh, copies, "a decode step")
         if self._busy is not None:
             self._busy.update(ss)
         bs = self._bs
@@ -806,14 +695,6 @@ class KVCacheManager:
         if filled and self._cache is not None:
             self._publish_filled(filled)
         return np.fromiter(out, dtype=np.int64, count=n)
-
-    def _not_ready(self, seq_id: Hashable, s: _Seq, what: str) -> str:
-        if s.host is not None:
-            return f"cannot {what} {seq_id!r}: it is swapped out (call swap_in first)"
-        if s.unscheduled:
-            return (f"cannot {what} {seq_id!r}: {s.unscheduled} prompt positions are not "
-                    f"scheduled yet (call prefill first)")
-        return f"cannot {what} {seq_id!r}: {s.drafts} drafts are pending (call accept first)"
 
     def _append(self, s: _Seq, token_id: int, publish: bool = True) -> int:
         """Append one validated token; the capacity it needs is the caller's to check."""
@@ -843,77 +724,9 @@ class KVCacheManager:
             if self._pool.refcount(b) > 1:
                 b = self._copy_on_write(s, b)
         else:
-            b = self._take(1, 0)[1][0] if self._copy_src else self._pool.allocate_one()
+            b = self._cq.fresh_one()
             s.add_block(b)
         return b * bs + off
-
-    def _blocks_for_step(self, ss: Sequence[_Seq]) -> tuple[int, int]:
-        """Fresh blocks and copies one decode step of ``ss`` takes.
-
-        A full last block needs a fresh block. ``k`` batch members sharing a partial block held
-        ``r`` times copy ``min(k, r - 1)`` times: each writer copies while another holder
-        remains, the last holder writes in place.
-        """
-        bs, refcount = self._bs, self._pool.refcount
-        fresh = 0
-        sharers: dict[int, int] = {}
-        for s in ss:
-            if s.nxt >= 0:  # a fast-path slot: private room in its last block, nothing to take
-                continue
-            if len(s.tokens) % bs:
-                b = s.table[-1]
-                if refcount(b) > 1:
-                    sharers[b] = sharers.get(b, 0) + 1
-            else:
-                fresh += 1
-        return fresh, sum(min(k, refcount(b) - 1) for b, k in sharers.items())
-
-    # ---- the one allocation rule around pending copies ------------------------------------
-    #
-    # A call takes two kinds of device blocks. ``fresh`` blocks are written by this step's K/V,
-    # after the copies run; ``avoiding`` blocks are written before them: copy-on-write
-    # destinations, and host loads (transfers run before copies). A freed block that a pending
-    # copy still reads must keep its bytes until the copies run, so it may be a fresh block but
-    # never an avoiding one. With F free blocks of which S are such freed copy sources, a call
-    # can be served exactly when fresh + avoiding <= F and avoiding <= F - S; it is, whatever
-    # order the call takes its blocks in, because every fresh block takes a freed source while
-    # one is left (``_take``). Example: free blocks {0, 3}, a copy reads 0, a call needs one
-    # fresh block and one copy: the copy takes 3, the fresh position 0.
-
-    def _freed_copy_sources(self, revived: Collection[int] = ()) -> list[int]:
-        """Free blocks a pending copy still reads (none of ``revived``: hits about to be taken)."""
-        free = self._pool.is_free
-        return [b for b in self._copy_src if free(b) and b not in revived]
-
-    def _check_room(self, fresh: int, avoiding: int, what: str, acquire: Sequence[int] = ()) -> None:
-        """Raise OutOfBlocks (changing nothing) unless ``_take(fresh, avoiding, acquire)`` can
-        be served. ``available`` is ``min(F, fresh + F - S)``, the blocks this call's shape can
-        use, so that releasing ``needed - available`` ordinary blocks always makes it fit."""
-        pool = self._pool
-        free = pool.num_free - (pool.count_cached(acquire) if acquire else 0)
-        available = free
-        if avoiding and self._copy_src:
-            usable = free - len(self._freed_copy_sources(set(acquire) if acquire else ()))
-            available = min(free, fresh + usable)
-        if fresh + avoiding > available:
-            raise OutOfBlocks(fresh + avoiding, available, what)
-
-    def _take(self, fresh: int, avoiding: int, acquire: Sequence[int] = ()) -> tuple[list[int], list[int]]:
-        """``(avoiding blocks, fresh blocks)``, after one more reference to each of ``acquire``
-        (prefix hits). Fresh blocks take the freed copy sources first. Call it after
-        ``_check_room`` (or for one block, whose failure changes nothing)."""
-        pool = self._pool
-        if acquire:
-            pool.acquire(acquire)
-        reads = self._copy_src
-        if not reads:
-            new = pool.allocate(avoiding + fresh)
-            return new[:avoiding], new[avoiding:]
-        dst = [pool.allocate_one_avoiding(reads) for _ in range(avoiding)]
-        sources = self._freed_copy_sources()[:fresh]
-        if sources:
-            pool.claim(sources)
-        return dst, sources + pool.allocate(fresh - len(sources))
 
     def _copy_on_write(self, s: _Seq, old: int) -> int:
         """Give ``s`` a private copy of its shared partial last block; returns the new block.
@@ -922,20 +735,10 @@ class KVCacheManager:
         (``allocate_one_avoiding``), and copying a block that is itself a pending destination
         copies from that copy's source instead (the same bytes, as running them in order).
         """
-        pool = self._pool
-        if self._copy_src:
-            try:
-                new = self._take(0, 1)[0][0]
-            except OutOfBlocks:
-                raise OutOfBlocks(1, 0, "a copy-on-write destination") from None
-        else:
-            new = pool.allocate_one()  # raises OutOfBlocks before anything changed
-        pool.release(old)  # still >= 1: another table holds it
+        new = self._cq.destination()  # raises OutOfBlocks before anything changed
+        self._pool.release(old)  # still >= 1: another table holds it
         s.set_last(new)
-        src = self._copy_dst.get(old, old)
-        self._copies.append(CopyOp(src, new))
-        self._copy_dst[new] = src
-        self._copy_src[src] = self._copy_src.get(src, 0) + 1
+        self._cq.add(old, new)
         self._cow_copies += 1
         return new
 
@@ -945,29 +748,9 @@ class KVCacheManager:
         One call per decode step, not per block. A sequence with extra keys (a LoRA adapter)
         hashes its block's key with its tokens, and the cache is given every block's key.
         """
-        bs, digest, root = self._bs, self._digest, self._root
-        blocks, hashes, parents, tokens = [], [], [], []
-        block_keys = None  # one key (or None) per block, once a filled sequence has extra keys
-        for s in filled:
-            block_tokens = s.tokens[-bs:]
-            chain = s.hashes
-            parent = chain[-1] if chain else root
-            if s.keys is None:
-                h = digest(parent, _le_bytes(block_tokens))
-            else:
-                key = s.keys.block_key(len(chain))
-                if block_keys is None:
-                    block_keys = [None] * len(blocks)
-                data = _le_bytes(block_tokens)
-                h = digest(parent, data + key.suffix if key is not None else data)
-            if block_keys is not None:
-                block_keys.append(None if s.keys is None else key)
-            chain.append(h)
-            blocks.append(s.table[-1])
-            hashes.append(h)
-            parents.append(parent)
-            tokens.append(block_tokens)
-        self._cache.publish_blocks(blocks, hashes, parents, tokens, bs, block_keys)
+        bs = self._bs
+        blocks, hashes, parents, tokens, keys = filled_columns(filled, bs, self._digest, self._root)
+        self._cache.publish_blocks(blocks, hashes, parents, tokens, bs, keys)
         if self._write_through:
             self._tier.published(blocks, hashes)
 
@@ -977,9 +760,7 @@ class KVCacheManager:
         The list is safe for one batched kernel: no block is a destination twice, and no
         destination is the source of another copy in the list.
         """
-        copies, self._copies = self._copies, []
-        self._copy_dst, self._copy_src = {}, {}
-        return copies
+        return self._cq.take()
 
     def take_transfers(self) -> list[Transfer]:
         """Drain the block transfers between the device and the host tier (offloads, prefix hits
@@ -1016,18 +797,18 @@ class KVCacheManager:
         if s.host is not None:
             raise ValueError(f"sequence {seq_id!r} is already swapped out")
         if s.unscheduled or s.drafts:
-            raise ValueError(self._not_ready(seq_id, s, "swap out"))
+            raise ValueError(not_ready(seq_id, s, "swap out"))
         refcount, table = self._pool.refcount, s.table
         tier = self._tier
-        if s in self._busy or any(b in self._copy_dst or tier.is_load_destination(b) or tier.is_store_source(b)
-                                  for b in table):
+        if s in self._busy or tier.pending_on(table) or any(map(self._cq.is_destination, table)):
             raise ValueError(f"cannot swap out {seq_id!r}: it was given positions or blocks in this step "
                              f"(or a copy or transfer of its blocks is pending), whose K/V is written only "
                              f"after take_transfers(); swap it out before scheduling it, or after the step")
         private = [i for i, b in enumerate(table) if refcount(b) == 1]
-        keys, content = self._block_hashes(s, private)
-        host = self._tier.swap_out([table[i] for i in private], keys, content, f"swapping out {seq_id!r}")
         released = [table[i] for i in private]
+        nh = len(s.hashes) if self._cache is not None else 0
+        host = tier.swap_out(released, [s.hashes[i] if i < nh else None for i in private],
+                             f"swapping out {seq_id!r}")
         for i in private:
             table[i] = -1
         s.mirror = None
@@ -1039,21 +820,6 @@ class KVCacheManager:
             self._cache.forget_twins(released)  # (all private: their last reference goes)
         self._pool.release_all(released[::-1])
 
-    def _block_hashes(self, s: _Seq, indices: Sequence[int]) -> tuple[list, list]:
-        """For each table index: the hash its device block is published under (or None), and
-        that block's ``(parent, tokens)`` for the host's own event."""
-        keys, content = [], []
-        cache = self._cache
-        for i in indices:
-            h = s.hashes[i] if cache is not None and i < len(s.hashes) else None
-            if h is not None and cache.get(h) == s.table[i]:
-                keys.append(h)
-                content.append(cache.content_of(s.table[i]))
-            else:
-                keys.append(None)
-                content.append(None)
-        return keys, content
-
     def swap_in(self, seq_id: Hashable) -> None:
         """Bring a swapped-out sequence back: device blocks for its host blocks, with
         ``to_device`` transfers (a block whose hash is still cached on the device is revived
@@ -1062,25 +828,16 @@ class KVCacheManager:
         if s.host is None:
             raise ValueError(f"sequence {seq_id!r} is not swapped out")
         pool, cache, bs = self._pool, self._cache, self._bs
-        order = sorted(s.host)
         nfull = s.computed // bs
-        revive = {}  # table index -> device block still holding its content
-        if cache is not None:
-            for i in order:
-                if i < nfull:
-                    d = cache.get(s.hashes[i])
-                    if d is not None:
-                        revive[i] = d
-        loads = [i for i in order if i not in revive]
+        revive, loads = self._tier.plan_swap_in(s.host, s.hashes, nfull)
         revived = list(revive.values())
-        self._check_room(0, len(loads), f"swapping in {seq_id!r}", revived)
-        new = self._take(0, len(loads), revived)[0]
+        self._cq.check_room(0, len(loads), f"swapping in {seq_id!r}", revived)
+        new = self._cq.allocate(0, len(loads), revived)[0]
         for i, d in revive.items():
             s.table[i] = d
         for i, d in zip(loads, new):
             s.table[i] = d
-        self._tier.swap_in([s.host[i] for i in loads], new)
-        self._tier.release([s.host[i] for i in revive])
+        self._tier.swap_in([s.host[i] for i in loads], new, [s.host[i] for i in revive])
         s.host = None
         self._unready -= 1
         self._swapped -= 1
@@ -1091,18 +848,6 @@ class KVCacheManager:
         n = s.computed
         if n % bs and pool.refcount(s.table[-1]) == 1:
             s.nxt = s.table[-1] * bs + n % bs
-
-    def _drop_copies_into(self, blocks: Iterable[int]) -> None:
-        """Blocks about to be released by their only holder: a pending copy into them has
-        nothing left to serve."""
-        for dst in blocks:
-            src = self._copy_dst.pop(dst)
-            self._copies.remove(CopyOp(src, dst))
-            left = self._copy_src[src] - 1
-            if left:
-                self._copy_src[src] = left
-            else:
-                del self._copy_src[src]
 
     # ---- fork and free -----------------------------------------------------------------------
 
@@ -1115,8 +860,8 @@ class KVCacheManager:
         p = self._seq(parent_id)
         if _known(self._seqs, child_id):
             raise ValueError(f"sequence {child_id!r} already exists")
-        if p.unscheduled or p.drafts or p.host is not None:
-            raise ValueError(self._not_ready(parent_id, p, "fork"))
+        if p.unready:
+            raise ValueError(not_ready(parent_id, p, "fork"))
         self._pool.incref_all(p.table)
         p.nxt = -1  # the partial last block, if any, is shared now: the next write decides
         mirror = None if p.mirror is None else p.mirror.copy()
@@ -1150,7 +895,7 @@ class KVCacheManager:
         del self._seqs[seq_id]
         if self._busy:
             self._busy.discard(s)
-        if s.unscheduled or s.drafts or s.host is not None:
+        if s.unready:
             self._unready -= 1
         table = s.table
         if s.host is not None:  # swapped out: its host blocks go, its shared device blocks stay
@@ -1158,13 +903,10 @@ class KVCacheManager:
             self._tier.release([s.host[i] for i in sorted(s.host)])
             table = [b for b in table if b >= 0]
         refcount = self._pool.refcount
-        if self._copy_dst:
-            self._drop_copies_into([b for b in table if b in self._copy_dst and refcount(b) == 1])
+        if self._cq.sources:
+            self._cq.drop_into([b for b in table if refcount(b) == 1])
         tier = self._tier
-        unloaded: list[int] = []
-        if tier is not None and tier.has_pending():
-            unloaded = [b for b in table if tier.is_load_destination(b) and refcount(b) == 1]
-            tier.drop_loads_into(unloaded)
+        unloaded = tier.drop_released_loads(table, refcount) if tier is not None else []
         prefix = self._cache
         if prefix is not None and prefix.has_twins:  # a twin going back clean is no twin
             prefix.forget_twins([b for b in prefix.twins_among(table) if refcount(b) == 1])
@@ -1221,16 +963,7 @@ class KVCacheManager:
         pad = as_int(pad, "pad")
         if not -(2**31) <= pad < 2**31:
             raise ValueError(f"pad must fit in int32, got {pad}")
-        if self._unready:  # a reserved tail (reserve=True) is not exported
-            bs = self._bs
-            rows = [s.int32_table()[: -(-s.computed // bs)] if s.unscheduled else s.int32_table() for s in ss]
-        else:
-            rows = [s.int32_table() for s in ss]
-        width = max(map(len, rows), default=0)
-        out = np.full((len(ss), width), pad, dtype=np.int32)
-        for row, r in zip(out, rows):
-            row[: len(r)] = r
-        return out
+        return block_tables(ss, pad, self._bs, bool(self._unready))
 
     def flashinfer_layout(self, seq_ids: Sequence[Hashable]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """FlashInfer's paged layout: ``(indptr, indices, last_page_len)``, all ``np.int32``.
@@ -1239,24 +972,7 @@ class KVCacheManager:
         [3], [4,5]): indptr [0, 3, 4, 6], indices [0, 1, 2, 3, 4, 5], last_page_len [2, 4, 1].
         A sequence with nothing scheduled has no pages and a last_page_len of 0.
         """
-        ss = self._seq_list(seq_ids)
-        bs = self._bs
-        if self._unready:  # positions not scheduled yet have no page, reserved (reserve=True) or not
-            tables = [s.int32_table()[: -(-s.computed // bs)] if s.unscheduled else s.int32_table() for s in ss]
-        else:
-            tables = [s.int32_table() for s in ss]
-        nblocks = np.fromiter(map(len, tables), dtype=np.int32, count=len(ss))
-        indptr = np.zeros(len(ss) + 1, dtype=np.int32)
-        np.cumsum(nblocks, out=indptr[1:])
-        if ss:
-            indices = np.concatenate(tables)
-        else:
-            indices = np.empty(0, dtype=np.int32)
-        ntok = np.fromiter((len(s.tokens) for s in ss), dtype=np.int32, count=len(ss))
-        if self._unready:
-            ntok -= np.fromiter((s.unscheduled for s in ss), dtype=np.int32, count=len(ss))
-        last_page_len = np.minimum(ntok, (ntok - 1) % bs + 1)  # 0 pages -> 0
-        return indptr, indices, last_page_len
+        return flashinfer_layout(self._seq_list(seq_ids), self._bs, bool(self._unready))
 
     # ---- accounting --------------------------------------------------------------------------
 
@@ -1264,35 +980,14 @@ class KVCacheManager:
         """What the cache holds now, over scheduled positions (see :class:`~pagedkv.types.Usage`)."""
         bs, pool = self._bs, self._pool
         used = pool.num_used
-        logical = logical_blocks = 0
-        partial: dict[int, int] = {}  # distinct partial last blocks -> tokens they hold
-        reserved = 0  # blocks reserved (reserve=True) for positions not scheduled yet: empty
-        for s in self._seqs.values():
-            n = len(s.tokens) - s.unscheduled
-            if s.host is not None:  # swapped out: only the shared blocks left on the device
-                for i, b in enumerate(s.table):
-                    if b >= 0:
-                        logical += min(bs, n - i * bs)
-                        logical_blocks += 1
-                        if n - i * bs < bs:
-                            partial[b] = n % bs
-                continue
-            logical += n
-            logical_blocks += len(s.table)
-            if n % bs:
-                partial[s.table[n // bs]] = n % bs
-            if s.unscheduled:
-                reserved += len(s.table) - -(-n // bs)
+        logical, logical_blocks, partial, reserved = logical_usage(self._seqs.values(), bs)
         # partial blocks' empty tails, and reserved blocks, hold no token yet
         stored = (used - reserved) * bs - len(partial) * bs + sum(partial.values())
         allocated = used * bs
         cache, tier = self._cache, self._tier
         host = {}
         if tier is not None:
-            host = dict(host_blocks=tier.num_blocks, host_used_blocks=tier.num_used,
-                        host_cached_blocks=tier.num_cached, host_hit_tokens=tier.hit_tokens,
-                        swapped_sequences=self._swapped, transfers_to_host=tier.to_host_count,
-                        transfers_to_device=tier.to_device_count)
+            host = dict(tier.usage_fields(), swapped_sequences=self._swapped)
         return Usage(
             num_blocks=pool.num_blocks,
             block_size=bs,
@@ -1338,40 +1033,7 @@ class KVCacheManager:
         for b, c in enumerate(pool.refcounts()):
             _require(refs.get(b, 0) == c, f"block {b}: refcount {c}, referenced {refs.get(b, 0)} times")
         bs = self._bs
-        partial_fill: dict[int, int] = {}
-        unready = swapped = 0
-        host_refs: dict[int, int] = {}
-        for sid, s in self._seqs.items():
-            n, done = len(s.tokens), s.computed
-            _require(n >= 1, f"sequence {sid!r} is empty")
-            _require(0 <= s.unscheduled <= n and 0 <= s.drafts <= done, f"sequence {sid!r}: bad counters")
-            _require(not (s.unscheduled and s.drafts), f"sequence {sid!r}: drafts mid-prefill")
-            _require(0 <= s.written <= (done - s.drafts) // bs, f"sequence {sid!r}: bad written prefix")
-            unready += bool(s.unscheduled or s.drafts or s.host is not None)
-            if s.host is not None:
-                swapped += 1
-                _require(not s.unscheduled and not s.drafts and s.nxt < 0, f"{sid!r}: swapped out mid-step")
-                _require(sorted(s.host) == [i for i, b in enumerate(s.table) if b < 0],
-                         f"sequence {sid!r}: swapped positions and host blocks disagree")
-                for hb in s.host.values():
-                    host_refs[hb] = host_refs.get(hb, 0) + 1
-            else:
-                _require(min(s.table, default=0) >= 0, f"sequence {sid!r}: a position without a block")
-            nsched = -(-done // bs)  # blocks of the scheduled positions
-            reserved = s.table[nsched:] if s.unscheduled and len(s.table) == -(-n // bs) else []
-            _require(len(s.table) == nsched + len(reserved),
-                     f"sequence {sid!r}: {len(s.table)} blocks for {done} positions ({n} reserved?)")
-            for b in reserved:
-                _require(pool.refcount(b) == 1, f"block {b} reserved for {sid!r} is shared")
-            if s.mirror is not None:
-                _require(s.mirror[: len(s.table)].tolist() == s.table, f"sequence {sid!r}: int32 mirror differs")
-            if done % bs and s.table[nsched - 1] >= 0:
-                b = s.table[nsched - 1]
-                _require(partial_fill.setdefault(b, done % bs) == done % bs, f"partial block {b} shared at two fills")
-            if s.nxt >= 0:
-                ok = (done % bs and not s.unscheduled and not s.drafts and s.nxt == s.table[-1] * bs + done % bs
-                      and pool.refcount(s.table[-1]) == 1)
-                _require(bool(ok), f"sequence {sid!r}: fast-path slot {s.nxt} is not its private next slot")
+        unready, swapped, host_refs = check_tables(self._seqs, pool.refcount, bs)
         _require(unready == self._unready, f"{unready} sequences unready, {self._unready} counted")
         if self._busy is not None:
             live = set(map(id, self._seqs.values()))
@@ -1379,144 +1041,17 @@ class KVCacheManager:
                      "a sequence given work this step is freed or swapped out")
         _require(swapped == self._swapped, f"{swapped} sequences swapped out, {self._swapped} counted")
         if self._tier is not None:
-            self._tier.check_invariants(host_refs, self._rehash)
+            self._tier.check_invariants(host_refs, self._hasher.rehash)
         else:
             _require(not swapped, "a sequence is swapped out without a host tier")
-        for sid, s in self._seqs.items():
-            for b in s.table[: s.computed // bs]:
-                _require(b not in partial_fill, f"block {b} is full in {sid!r} but partial elsewhere")
-        self._check_copies()
+        self._cq.check_invariants()
         self._check_cache()
-
-    def _rehash(self, parent: Hashable, tokens: Sequence[int], key: BlockKey | None = None) -> Hashable:
-        """One block's chained hash from its tokens (and extra keys), as every hash is computed
-        (little-endian uint32 bytes, then the key's suffix): what a cache's kept
-        ``(parent, tokens[, key])`` must give back, for the checks."""
-        data = token_bytes(tokens)
-        return self._hasher.block(parent, data + key.suffix if key is not None else data)
-
-    def _check_copies(self) -> None:
-        dsts = [c.dst for c in self._copies]
-        srcs = Counter(c.src for c in self._copies)
-        _require(len(set(dsts)) == len(dsts), "a block is a copy destination twice")
-        _require(not set(dsts) & set(srcs), "a copy destination is the source of another copy")
-        _require(dict(self._copy_dst) == {c.dst: c.src for c in self._copies}, "copy index differs")
-        _require(dict(self._copy_src) == dict(srcs), "copy source counts differ")
-        for d in dsts:
-            _require(self._pool.refcount(d) > 0, f"copy destination {d} is free")
 
     def _check_cache(self) -> None:
         cache, keys, bs = self._cache, self._pool.keyed_blocks(), self._bs
         if cache is None:
             _require(not keys, "blocks carry keys with prefix caching off")
             return
-        cache.check_invariants(self._rehash)
-        twins = cache.twins()
-        held_twins = {}
-        for sid, s in self._seqs.items():
-            nfull = (len(s.tokens) - s.drafts) // bs
-            data = _le_bytes(s.tokens[: nfull * bs])
-            expect = self._hasher.chain_keyed(self._root, data, 4 * bs, 0, nfull, s.keys)
-            _require(s.hashes == expect, f"sequence {sid!r}: stored hashes are not its tokens' hashes")
-            offered = (s.computed - s.drafts) // bs
-            for i, b in enumerate(s.table):
-                if b < 0:
-                    continue
-                k = keys.get(b)
-                if i >= offered:
-                    _require(k is None, f"block {b} of {sid!r} is published before it is scheduled")
-                elif k is None:  # findable all the same: a twin of the block its hash maps
-                    _require(twins.get(b) == expect[i], f"full block {b} of {sid!r} is not findable")
-                    held_twins[b] = expect[i]
-                else:
-                    _require(k == expect[i], f"block {b} of {sid!r} is mapped under another content's hash")
-        _require(held_twins == twins, "a remembered twin is no live full block of that content")
-
-
-def _token_array(token_ids: Any) -> array:
-    """Token ids as a fresh ``array('I')``, validated: integers in ``[0, 2**32)``, else ValueError.
-
-    Lists and tuples convert in one C loop; numpy integer arrays by a range check and one cast,
-    never element by element. Masked arrays are refused: a masked token has no value.
-    """
-    if type(token_ids) is list or type(token_ids) is tuple:
-        try:
-            return array("I", token_ids)
-        except OverflowError as exc:
-            raise ValueError(f"token ids must be integers in [0, {MAX_TOKEN_ID}]: {exc}") from None
-        except TypeError:  # numpy scalars (np.True_ has no __index__) or a bad id: one by one
-            return array("I", [_as_token(t) for t in token_ids])
-    if isinstance(token_ids, np.ndarray):
-        if isinstance(token_ids, np.ma.MaskedArray):
-            raise ValueError("token ids must not be a masked array (a masked token has no value)")
-        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iub":  # bools are 0/1, as in lists
-            raise ValueError(f"token ids must be a 1-D integer array, got {token_ids.dtype} {token_ids.shape}")
-        out = array("I")
-        if token_ids.size:
-            if int(token_ids.min()) < 0 or int(token_ids.max()) > MAX_TOKEN_ID:
-                raise ValueError(f"token ids must be in [0, {MAX_TOKEN_ID}]")
-            out.frombytes(token_ids.astype(np.uint32).tobytes())
-        return out
-    if isinstance(token_ids, (str, bytes, bytearray)) or not isinstance(token_ids, Iterable):
-        raise ValueError(f"token ids must be a sequence of ints, got {type(token_ids).__name__}")
-    return _token_array([_as_token(t) for t in token_ids])
-
-
-def _id_sequence(seq_ids: Any) -> list:
-    """``append_batch``'s ids as a list; the pairing with tokens is by position, so unordered
-    collections (sets, dicts) are refused rather than paired in whatever order they iterate."""
-    if isinstance(seq_ids, np.ndarray):
-        if isinstance(seq_ids, np.ma.MaskedArray):
-            raise ValueError("sequence ids must not be a masked array")
-        if seq_ids.ndim != 1:
-            raise ValueError(f"sequence ids must be a 1-D array, got shape {seq_ids.shape}")
-        return seq_ids.tolist()
-    if isinstance(seq_ids, (str, bytes, bytearray)) or not isinstance(seq_ids, SequenceABC):
-        raise ValueError(
-            f"sequence ids must be an ordered sequence (list, tuple, 1-D array), got {type(seq_ids).__name__}"
-        )
-    return list(seq_ids)
-
-
-def _le_bytes_swapped(tokens: array) -> bytes:  # pragma: no cover - no big-endian CI
-    tokens = tokens[:]
-    tokens.byteswap()
-    return tokens.tobytes()
-
-
-# The tokens' bytes as little-endian uint32, the form every hash is computed over: on a
-# little-endian machine that is the array's own memory, and the C method is called directly.
-_le_bytes = _le_bytes_swapped if _BIG_ENDIAN else array.tobytes
-
-
-def _known(seqs: dict, seq_id: Any) -> bool:
-    """Whether a new id is taken; an id that cannot be a dict key is a bad argument."""
-    try:
-        return seq_id in seqs
-    except TypeError:
-        raise ValueError(f"sequence ids must be hashable, got {type(seq_id).__name__}") from None
-
-
-def _count(value: Any, what: str) -> int:
-    """A non-negative int argument (numpy ints welcome; bools and floats refused)."""
-    value = as_int(value, what)
-    if value < 0:
-        raise ValueError(f"{what} must be a non-negative int, got {value}")
-    return value
-
-
-def _as_token(token: Any) -> int:
-    """Accept numpy integers (and bools, as lists of bools are) as token ids; reject the rest."""
-    if isinstance(token, (float, str, bytes)) or isinstance(token, np.floating):
-        raise ValueError(f"token id must be an integer, got {token!r}")
-    if isinstance(token, np.ma.MaskedArray):  # a masked value would become its hidden data
-        raise ValueError("token ids must not be a masked array: fill or drop the masked entries")
-    if isinstance(token, np.bool_):
-        return int(token)
-    try:
-        token = operator.index(token)
-    except TypeError:
-        raise ValueError(f"token id must be an integer, got {type(token).__name__}") from None
-    if not 0 <= token <= MAX_TOKEN_ID:
-        raise ValueError(f"token id {token} outside [0, {MAX_TOKEN_ID}]")
-    return token
+        cache.check_invariants(self._hasher.rehash)
+        chain = lambda data, nfull, keys: self._hasher.chain_keyed(self._root, data, 4 * bs, 0, nfull, keys)  # noqa: E731
+        check_hashes(self._seqs, keys, cache.twins(), chain, bs)

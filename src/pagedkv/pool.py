@@ -8,6 +8,12 @@ counts references to them, and when a block's last reference goes it files the b
   :meth:`acquire`, and evicted oldest-first only when no clean block is left. Eviction drops the
   key and tells the owner (``on_evict`` / ``on_evict_many``) so that it can forget it.
 
+The pool owns the key <-> block bijection, both directions, as vLLM v1's block pool keeps a
+block's hash next to the block and the hash -> block map beside it: a key is carried by at most
+one block, :meth:`block_of` and :meth:`held_prefix` find blocks by key, and :meth:`publish_keys`
+keys only the blocks whose key is new. Eviction, :meth:`drop_keys` and :meth:`clear_cached` drop
+both directions at once, so no owner's callback has to keep a second map in step.
+
 Every block is in exactly one of three states: in use (refcount > 0), clean, or cached-free.
 
 A block that was never handed out has no bookkeeping at all: the clean stack sits on top of a
@@ -61,7 +67,7 @@ class BlockPool:
     Not thread-safe: one owner (the engine's scheduler thread) calls it.
     """
 
-    __slots__ = ("_num_blocks", "_rc", "_clean", "_lru", "_keys", "_evicted_keys",
+    __slots__ = ("_num_blocks", "_rc", "_clean", "_lru", "_keys", "_blocks", "_evicted_keys",
                  "on_evict", "on_evict_many", "evictions", "_check_args")
 
     def __init__(
@@ -88,6 +94,7 @@ class BlockPool:
         self._clean: list[int] = []  # freed clean blocks; top (end) is handed out first
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached-free, least recently freed first
         self._keys: dict[int, Hashable] = {}  # block -> key, for in-use and cached-free blocks
+        self._blocks: dict[Hashable, int] = {}  # key -> block: the same pairs, the other way
         self._evicted_keys: list = []  # keys of blocks evicted by the allocation under way
         # Told of evictions: on_evict(block, key) once per block, or, when set instead,
         # on_evict_many(blocks, keys) once per allocation (one admission can evict 50 blocks).
@@ -95,11 +102,6 @@ class BlockPool:
         self.on_evict_many = on_evict_many
         self.evictions = 0
         self._check_args = check_args
-
-    @property
-    def check_args(self) -> bool:
-        """Whether batch calls validate their block ids (see the module docstring)."""
-        return self._check_args
 
     # ---- sizes -------------------------------------------------------------------------------
 
@@ -142,6 +144,24 @@ class BlockPool:
         block = self._check_id(block)
         return self._keys.get(block)
 
+    def block_of(self, key: Hashable) -> Optional[int]:
+        """The block carrying ``key`` (in use or cached-free), or None."""
+        return self._blocks.get(key)
+
+    def held_prefix(self, keys: Sequence[Hashable], limit: int) -> list[int]:
+        """The blocks carrying ``keys[:k]``, for the largest ``k <= limit`` such that all do: a
+        prompt's cached prefix, one dict probe a key, stopping at the first miss (chained hashes
+        make a later hit impossible). Example: blocks 4 and 9 carry "a" and "b" -> ``["a", "b",
+        "c"]`` gives [4, 9], ``["b", "a"]`` with limit 1 gives [9]."""
+        get = self._blocks.get
+        out = []
+        for k in keys[:limit]:
+            b = get(k)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
     def keyed_blocks(self) -> dict[int, Hashable]:
         """A copy of the block -> key map (in-use and cached-free blocks that carry a key)."""
         return dict(self._keys)
@@ -155,14 +175,6 @@ class BlockPool:
         """How many of ``blocks`` (distinct ids) are cached-free: the hits an admission would
         revive, which then no longer count as free. One C-level pass."""
         return sum(map(self._lru.__contains__, blocks))
-
-    def is_free(self, block: int) -> bool:
-        """True when the block holds no reference (clean, never used, or cached-free)."""
-        return self.refcount(block) == 0
-
-    def cached_lru(self) -> list[int]:
-        """Cached-free blocks, least recently freed (next to be evicted) first."""
-        return list(self._lru)
 
     # ---- allocation --------------------------------------------------------------------------
 
@@ -258,6 +270,7 @@ class BlockPool:
             rc[b] = 1
         if evicted:
             self._evicted_keys = list(map(self._keys.pop, evicted))
+            _consume(map(self._blocks.__delitem__, self._evicted_keys))
             self.evictions += len(evicted)
             self._notify(list(blocks), evicted)
 
@@ -290,7 +303,8 @@ class BlockPool:
         lru = self._lru
         out = list(islice(lru, n))  # the n oldest, then drop them: two C-level passes
         _consume(map(lru.__delitem__, out))
-        self._evicted_keys = list(map(self._keys.pop, out))
+        self._evicted_keys = keys = list(map(self._keys.pop, out))
+        _consume(map(self._blocks.__delitem__, keys))
         self.evictions += n
         return out
 
@@ -298,6 +312,7 @@ class BlockPool:
         """``allocate_one`` when only a cached block is left: evict the oldest, tell the owner."""
         b, _ = self._lru.popitem(last=False)
         key = self._keys.pop(b)
+        del self._blocks[key]
         self.evictions += 1
         self._rc[b] = 1
         try:
@@ -433,15 +448,59 @@ class BlockPool:
         self.set_keys((block,), (key,))
 
     def set_keys(self, blocks: Sequence[int], keys: Sequence[Hashable]) -> None:
-        """Key several in-use blocks at once (a prompt's newly published blocks)."""
+        """Key several in-use blocks at once (a prompt's newly published blocks). A key is
+        carried by one block: ValueError when a key repeats or another block carries it. A block
+        that carried a key carries the new one instead."""
         if self._check_args:
-            if len(blocks) != len(keys):
-                raise ValueError(f"{len(blocks)} blocks but {len(keys)} keys")
-            if not self._distinct_in_use(blocks):
-                blocks = [self._check_in_use(b) for b in blocks]
-            if None in keys:
-                raise ValueError("key must not be None")
-        self._keys.update(zip(blocks, keys))
+            blocks = self._check_keying(blocks, keys, True)
+            for b, k in zip(blocks, keys):
+                held = self._blocks.get(k)
+                if held is not None and held != b:
+                    raise ValueError(f"key {k!r} is carried by block {held} already")
+        mine, by = self._keys, self._blocks
+        if any(map(mine.__contains__, blocks)):  # re-keyed blocks: their old keys leave the index
+            for b in blocks:
+                old = mine.get(b)
+                if old is not None:
+                    del by[old]
+        mine.update(zip(blocks, keys))
+        by.update(zip(keys, blocks))
+
+    def publish_keys(self, blocks: list[int], keys: Sequence[Hashable]) -> list[int]:
+        """For each ``(block, key)`` pair, the block that carries the key afterwards: a key no
+        block carries yet is given to its block, a key already carried (by an older block, or by
+        an earlier pair) keeps its block, and that pair's block stays unkeyed. So the result
+        equals ``blocks`` exactly where the key was new, and *is* ``blocks`` (the same list, so
+        that a caller tests ``held is blocks`` in O(1)) when every key was new. One C-level
+        ``setdefault`` pass, the prefix cache's publication. Example: block 5 carries "h" -> ``publish_keys([7, 8],
+        ["h", "g"])`` returns [5, 8]: 8 carries "g", 7 nothing. The blocks must be in use and
+        carry no key."""
+        if self._check_args:
+            blocks = self._check_keying(blocks, keys, False)
+            if any(map(self._keys.__contains__, blocks)):
+                raise ValueError("a block to publish carries a key already")
+        held = list(map(self._blocks.setdefault, keys, blocks))
+        if held == blocks:  # the common case: every key new
+            self._keys.update(zip(blocks, keys))
+            return blocks
+        self._keys.update((b, k) for b, k, h in zip(blocks, keys, held) if b == h)
+        return held
+
+    def _check_keying(self, blocks: Sequence[int], keys: Sequence[Hashable], unique_keys: bool) -> Sequence[int]:
+        """``blocks`` (as Python ints when they were not), or ValueError: lengths differ, a
+        block repeats (it would carry two keys), a key is None, or (``unique_keys``) a key
+        repeats (two blocks would carry it)."""
+        if len(blocks) != len(keys):
+            raise ValueError(f"{len(blocks)} blocks but {len(keys)} keys")
+        if not self._distinct_in_use(blocks):
+            blocks = [self._check_in_use(b) for b in blocks]
+            if len(set(blocks)) != len(blocks):
+                raise ValueError("a block appears twice among the blocks to key")
+        if None in keys:
+            raise ValueError("key must not be None")
+        if unique_keys and len(set(keys)) != len(keys):
+            raise ValueError("a key appears twice among the keys to set")
+        return blocks
 
     def drop_key(self, block: int) -> None:
         """Forget a block's key; a cached-free block becomes clean (pushed on the clean stack)."""
@@ -450,11 +509,12 @@ class BlockPool:
     def drop_keys(self, blocks: Iterable[int]) -> list:
         """Forget the blocks' keys (blocks without one are skipped); cached-free blocks become
         clean. Returns the dropped keys, in order."""
-        keys, lru, clean = self._keys, self._lru, self._clean
+        keys, lru, clean, by = self._keys, self._lru, self._clean, self._blocks
         out = []
         for b in blocks:
             k = keys.pop(b, None)
             if k is not None:
+                del by[k]
                 out.append(k)
                 if b in lru:
                     del lru[b]
@@ -467,6 +527,7 @@ class BlockPool:
         Keys of in-use blocks are kept. ``on_evict`` is not called: the caller is clearing.
         """
         out = [(b, self._keys.pop(b)) for b in self._lru]
+        _consume(map(self._blocks.__delitem__, [k for _, k in out]))
         self._lru.clear()
         self._clean.extend(b for b, _ in out)
         return out
@@ -503,6 +564,9 @@ class BlockPool:
             _require(b in self._keys, f"cached-free block {b} has no key")
         for b in self._keys:
             _require(b < fresh, f"never-used block {b} has a key")
+        _require(len(self._blocks) == len(self._keys)
+                 and all(self._blocks.get(k) == b for b, k in self._keys.items()),
+                 "the key -> block index is not the block -> key map inverted")
         used = sum(1 for c in rc if c > 0)
         _require(not rc or min(rc) >= 0, "negative refcount")
         _require(used == self.num_used, f"{used} blocks referenced, {self.num_used} counted used")

@@ -1,9 +1,13 @@
-"""The prefix cache: chained block hash -> physical block, events, and hit statistics.
+"""The prefix cache: publishing chained block hashes, their events, twins, and hit statistics.
 
-It sits between the pool (which keeps a cached block's key and evicts it LRU) and the manager
-(which knows sequences and computes their hashes). This module is the one place that keeps the
-hash -> block map and the order of events; the pool keeps each block's key (the same hash) only
-so that it can file a released block as revivable and say which one it evicted. Here live:
+It sits between the pool and the manager (which knows sequences and computes their hashes). The
+hash <-> block bijection has one owner, the pool (as in vLLM v1, the hash sits next to its block
+and the hash -> block map beside them): a block carries its hash as its key, eviction drops both
+directions at once, and this cache reads the map through :meth:`BlockPool.block_of`,
+:meth:`BlockPool.held_prefix` and :meth:`BlockPool.publish_keys`. What this module owns is what
+publishing means: which blocks become findable, the order of events (one ``BlockStored`` per
+chained run), the twins, the kept content another tier republishes, and the hit statistics. The
+pool's eviction hook is this cache's :meth:`evicted`, wired here only. Here live:
 
 * ``longest_prefix(hashes, limit)``: how many leading blocks of a prompt are already held, in
   one dict lookup per block, stopping at the first miss (chaining makes later hits impossible).
@@ -30,7 +34,6 @@ with their keys and the checks rehash them with their keys. A call without keys 
 """
 from __future__ import annotations
 
-from collections import deque
 from itertools import chain, repeat
 from typing import Any, Callable, Hashable, Iterable, Sequence
 
@@ -39,20 +42,17 @@ from .pool import BlockPool
 
 __all__ = ["PrefixCache"]
 
-# Runs an iterator to its end in C, no bytecode per item: a zero-length deque's extend.
-_consume = deque(maxlen=0).extend
 
 
 class PrefixCache:
     """Maps full-block hashes to physical blocks held (in use or cached-free) by ``pool``."""
 
-    __slots__ = ("_pool", "_map", "_log", "_content", "medium", "query_tokens", "hit_tokens",
-                 "_twins", "_twin_hash")
+    __slots__ = ("_pool", "_log", "_content", "medium", "query_tokens", "hit_tokens",
+                 "_twins", "_twin_hash", "_forward")
 
     def __init__(self, pool: BlockPool, log: EventLog | None = None, medium: str = "GPU",
                  keep_content: bool = False, track_twins: bool = False) -> None:
         self._pool = pool
-        self._map: dict[Hashable, int] = {}
         # Twins (with track_twins): in-use blocks holding a mapped hash's content that were not
         # published because the map held an equal block already. hash -> those blocks, and
         # block -> its hash. Empty in the common case, which then costs one truth test.
@@ -66,33 +66,26 @@ class PrefixCache:
         self.medium = medium
         self.query_tokens = 0
         self.hit_tokens = 0
-        pool.on_evict_many = self.evicted
+        self._forward: Callable[[list, list, list | None], Any] | None = None
+        pool.on_evict_many = self.evicted  # the pool's eviction hook, wired here only
 
-    @property
-    def events_enabled(self) -> bool:
-        return self._log is not None
-
-    def __len__(self) -> int:
-        return len(self._map)
+    def forward_evictions(self, listener: Callable[[list, list, list | None], Any] | None) -> None:
+        """After this cache forgets blocks its pool evicted, call ``listener(blocks, hashes,
+        contents)`` (contents None unless kept): how a host tier learns what to offload, so that
+        the pool's hook stays this cache's. None stops forwarding."""
+        if listener is not None and not callable(listener):
+            raise ValueError(f"listener must be a callable or None, got {type(listener).__name__}")
+        self._forward = listener
 
     def get(self, block_hash: Hashable) -> int | None:
-        return self._map.get(block_hash)
-
-    def items(self):
-        return self._map.items()
+        """The block mapped under ``block_hash``, or None."""
+        return self._pool.block_of(block_hash)
 
     # ---- lookups -----------------------------------------------------------------------------
 
     def longest_prefix(self, hashes: Sequence[Hashable], limit: int) -> list[int]:
         """Blocks holding the first ``k <= limit`` hashes, for the largest such ``k``."""
-        m = self._map
-        out = []
-        for h in hashes[:limit]:
-            b = m.get(h)
-            if b is None:
-                break
-            out.append(b)
-        return out
+        return self._pool.held_prefix(hashes, limit)
 
     def record_query(self, prompt_tokens: int, hit_tokens: int) -> None:
         """Count one admission's prompt tokens and how many the cache served."""
@@ -118,11 +111,10 @@ class PrefixCache:
         """
         if not blocks:
             return
-        # One probe a hash, at C speed: setdefault maps each new hash and returns, for a hash
-        # already mapped, the older block, which the map keeps.
-        held = list(map(self._map.setdefault, hashes, blocks))
-        if held == blocks:  # the common case: all new, one run
-            self._pool.set_keys(blocks, hashes)
+        # One probe a hash, at C speed, in the pool (the map's owner): each new hash is given its
+        # block; for a hash already mapped the older block is returned, and the map keeps it.
+        held = self._pool.publish_keys(blocks, hashes)
+        if held is blocks:  # the common case: all new, one run
             self._stored(hashes, parent, tokens, block_size, 0, len(blocks), keys)
             if self._content is not None:
                 self._keep(blocks, hashes, parent, tokens, block_size, range(len(blocks)), keys)
@@ -130,7 +122,6 @@ class PrefixCache:
         new = [i for i, (b, k) in enumerate(zip(blocks, held)) if b == k]
         if self._twins is not None:
             self._add_twins(blocks, hashes, held)
-        self._pool.set_keys([blocks[i] for i in new], [hashes[i] for i in new])
         run_start = prev = -2
         for i in new + [-1]:  # one event per run of consecutive new blocks
             if i != prev + 1:
@@ -176,13 +167,13 @@ class PrefixCache:
                 if not rest:
                     del twins[h]
 
-    def _promote_twins(self, gone: Sequence[int], hashes: Sequence[Hashable], contents: list | None) -> set:
-        """Hashes ``hashes`` just left the map (their blocks ``gone``, with ``contents`` when
-        kept): for each one that has a live twin, the twin becomes its block. Returns the
+    def _promote_twins(self, hashes: Sequence[Hashable], contents: list | None) -> set:
+        """Hashes ``hashes`` just left the map (with their blocks' ``contents`` when kept): for
+        each one that has a live twin, the twin becomes its block. Returns the
         hashes that stay mapped, for which no ``BlockRemoved`` is due: a router keeps hashes,
         not blocks, and the hash is held all along. Example: block 5 maps [0, 0, 1, 1]'s hash,
         block 9 (live in another table) is its twin; 5 is evicted -> the hash maps 9."""
-        twins, twin_hash, m = self._twins, self._twin_hash, self._map
+        twins, twin_hash = self._twins, self._twin_hash
         kept = set()
         for i, h in enumerate(hashes):
             rest = twins.get(h)
@@ -192,7 +183,6 @@ class PrefixCache:
             if not rest:
                 del twins[h]
             del twin_hash[b]
-            m[h] = b
             self._pool.set_keys((b,), (h,))
             if contents is not None:
                 self._content[b] = contents[i]
@@ -223,8 +213,8 @@ class PrefixCache:
         probe a hash, one update of the pool's keys, and the events' raw tuples zipped from the
         columns.
         """
-        held = list(map(self._map.setdefault, hashes, blocks))
-        if held != blocks:  # some hashes were mapped already: publish only the new ones
+        held = self._pool.publish_keys(blocks, hashes)
+        if held is not blocks:  # some hashes were mapped already: publish only the new ones
             if self._twins is not None:
                 self._add_twins(blocks, hashes, held)
             new = [i for i, (b, k) in enumerate(zip(blocks, held)) if b == k]
@@ -234,7 +224,6 @@ class PrefixCache:
             parents, tokens = [parents[i] for i in new], [tokens[i] for i in new]
             if keys is not None:
                 keys = [keys[i] for i in new]
-        self._pool.set_keys(blocks, hashes)
         if keys is None:
             if self._log is not None:
                 self._log.stored_many(zip(zip(hashes), parents, tokens, repeat(block_size), repeat(self.medium)))
@@ -256,7 +245,8 @@ class PrefixCache:
         host tier receives in one batch, as the device publishes a prompt's run in one event.
         An entry whose hash is mapped already is skipped, and ends its run; so does a change of
         LoRA adapter (an event names one)."""
-        m = self._map
+        mapped = self._pool.block_of
+        batch: set = set()  # hashes this call publishes (the pool learns them at the end)
         blocks, hashes = [], []
         log, content = self._log, self._content
         raw = [] if log is not None else None
@@ -267,12 +257,12 @@ class PrefixCache:
         for entry in entries:
             b, h, parent, tokens = entry[:4]
             key = entry[4] if len(entry) > 4 else None
-            if h in m:
+            if h in batch or mapped(h) is not None:
                 if run_h:
                     raw.append(_run(run_h, run_parent, run_t, block_size, self.medium, run_k))
                     run_h, run_t, run_k = [], [], []
                 continue
-            m[h] = b
+            batch.add(h)
             blocks.append(b)
             hashes.append(h)
             if content is not None:
@@ -309,32 +299,32 @@ class PrefixCache:
         carry no hash are skipped. One ``BlockRemoved`` event names them. Once released, the
         blocks go back clean. A hash with a live twin (see the module docstring) maps the twin
         instead and is not named: the twin's K/V was computed by its own sequence."""
-        hashes = self._pool.drop_keys(blocks)
-        gone = list(map(self._map.pop, hashes))
-        contents = None
-        if self._content is not None:
-            contents = [self._content.pop(b) for b in gone]
-        if self._twins:
-            kept = self._promote_twins(gone, hashes, contents)
-            if kept:
-                hashes = [h for h in hashes if h not in kept]
-        if self._log is not None and hashes:
-            self._log.removed(hashes, self.medium)
+        content = self._content
+        gone = [b for b in blocks if b in content] if content is not None else ()  # (mapped ones)
+        self._left_map(gone, self._pool.drop_keys(blocks))
 
     def evicted(self, blocks: list, keys: list) -> list | None:
-        """The pool evicted cached ``blocks`` (it has dropped their ``keys`` already): forget
-        them. The pool calls this once per allocation; an owner that wraps the callback (a
-        host tier offloading what is evicted) calls it in turn, and gets the blocks'
-        ``(parent, tokens)`` back when the cache keeps content."""
-        _consume(map(self._map.__delitem__, keys))
+        """The pool's eviction hook: it evicted cached ``blocks`` and dropped their ``keys`` (both
+        directions). Called once per allocation; forgets their kept content, lets twins take
+        over, records one ``BlockRemoved``, then tells the listener (see
+        :meth:`forward_evictions`). Returns the blocks' kept ``(parent, tokens)``, or None."""
+        contents = self._left_map(blocks, keys)
+        if self._forward is not None:
+            self._forward(blocks, keys, contents)
+        return contents
+
+    def _left_map(self, blocks: Sequence[int], hashes: list) -> list | None:
+        """``blocks`` no longer carry ``hashes`` (the pool has dropped them, in the same order):
+        their kept content goes, a live twin takes over each hash it can, and one
+        ``BlockRemoved`` names the rest. Returns the contents (None unless kept)."""
         contents = None
         if self._content is not None:
             contents = [self._content.pop(b) for b in blocks]
-        removed = keys
+        removed = hashes
         if self._twins:
-            kept = self._promote_twins(blocks, keys, contents)
+            kept = self._promote_twins(hashes, contents)
             if kept:
-                removed = [h for h in keys if h not in kept]
+                removed = [h for h in hashes if h not in kept]
         if self._log is not None and removed:
             self._log.removed(removed, self.medium)
         return contents
@@ -343,7 +333,6 @@ class PrefixCache:
         """Forget every hash (the pool must hold no block in use: see the manager's reset).
         The caller records the ``AllBlocksCleared`` event (one for every tier)."""
         self._pool.clear_cached()
-        self._map.clear()
         if self._twins:  # the caller holds no block in use, so no twin is left; to be safe
             self._twins.clear()
             self._twin_hash.clear()
@@ -353,7 +342,8 @@ class PrefixCache:
     # ---- checks ------------------------------------------------------------------------------
 
     def check_invariants(self, block_hash: Callable[[Hashable, Any], Hashable] | None = None) -> None:
-        """The hash map and the pool's keys are one bijection; with kept content and
+        """The twins and the kept content agree with the pool's keyed blocks (the pool checks
+        its own bijection, in :meth:`BlockPool.check_invariants`); with kept content and
         ``block_hash(parent, tokens[, key])`` (the owner's hash function: this cache never
         computes a hash), every mapped block's kept tokens (and extra keys) chained from its kept
         parent hash to the hash it is mapped under. The content is what another tier republishes and what a router is told
@@ -361,23 +351,18 @@ class PrefixCache:
         advertise, someone else's KV."""
         if block_hash is not None and not callable(block_hash):
             raise ValueError(f"block_hash must be a callable or None, got {type(block_hash).__name__}")
-        keys = self._pool.keyed_blocks()
+        keys = self._pool.keyed_blocks()  # the pool checks that its two directions agree
         if self._content is not None and set(self._content) != set(keys):
             raise AssertionError("kept content differs from the mapped blocks")
-        if len(self._map) != len(keys):
-            raise AssertionError(f"{len(self._map)} hashes mapped, {len(keys)} blocks keyed")
-        for h, b in self._map.items():
-            if keys.get(b) != h:
-                raise AssertionError(f"hash maps to block {b}, whose key differs")
         if self._twins is not None:
             listed = [(b, h) for h, bs in self._twins.items() for b in bs]
             if sorted(listed, key=lambda e: e[0]) != sorted(self._twin_hash.items(), key=lambda e: e[0]):
                 raise AssertionError("the twin lists and the twin index differ")
             for b, h in listed:
-                if h not in self._map or b in keys or not self._pool.refcount(b):
+                if self._pool.block_of(h) is None or b in keys or not self._pool.refcount(b):
                     raise AssertionError(f"twin {b}: free, published, or its hash is not mapped")
         if block_hash is not None and self._content is not None:
-            for h, b in self._map.items():
+            for b, h in keys.items():
                 if block_hash(*self._content[b]) != h:
                     raise AssertionError(f"{self.medium} block {b}: its kept tokens, chained from its "
                                          f"kept parent, do not hash to the hash it is mapped under")
