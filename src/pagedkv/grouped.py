@@ -54,7 +54,7 @@ import numpy as np
 from .checks import as_int, flag, int_at_least, optional_int_at_least
 from .checks import require as _require
 from .hashing import MAX_TOKEN_ID, BlockHasher, ExtraKeys, token_bytes
-from .kv_specs import AttentionSpec, FullAttention, check_groups
+from .kv_specs import AttentionSpec, ChunkedLocalAttention, FullAttention, SlidingWindow, check_groups
 from .manager import KVCacheManager
 from .pool import MAX_BLOCKS, BlockPool
 from .prefix_cache import PrefixCache
@@ -69,13 +69,19 @@ MEMO_ENTRIES = 256
 MEMO_BLOCKS = 1 << 16
 
 
-def next_release(spec: AttentionSpec, c: int, block_size: int) -> int:
+def next_release(spec: AttentionSpec, c: int, block_size: int, limit: int | None = None) -> int:
     """The smallest committed count c' > c at which ``spec.released_below`` grows: until then a
     decode token needs no release check. Example (block size 16, window 128, c = 1,000: blocks
     below 54 released): block 54 (positions 864 .. 879) leaves the window once position 880 is
-    the first read, at c' = 880 + 127 = 1,007. Full attention never releases."""
+    the first read, at c' = 880 + 127 = 1,007. Full attention never releases. A spec of
+    another type (a subclass) is asked ``released_below`` count by count up to ``limit`` (which
+    is returned when nothing is released before it; default: 64 blocks on)."""
     if type(spec) is FullAttention:
         return _NEVER
+    if type(spec) not in (SlidingWindow, ChunkedLocalAttention):
+        r = spec.released_below(c, block_size)
+        stop = c + 64 * block_size if limit is None else limit
+        return next((x for x in range(c + 1, stop) if spec.released_below(x, block_size) > r), stop)
     nxt = (spec.released_below(c, block_size) + 1) * block_size  # the first read that must be reached
     window = getattr(spec, "window", None)
     if window is not None:
@@ -152,7 +158,7 @@ class _GSeq:
     """
 
     __slots__ = ("tables", "low", "tokens", "hashes", "keys", "nxt", "end", "unscheduled", "drafts",
-                 "written")
+                 "written", "shared")
 
     def __init__(self, tables, low, tokens, hashes, keys, unscheduled=0, written=0) -> None:
         self.tables = tables
@@ -165,6 +171,9 @@ class _GSeq:
         self.unscheduled = unscheduled
         self.drafts = 0
         self.written = written
+        # A fork may have shared the last blocks: the next write checks refcounts (and copies).
+        # Only fork shares a partial block; a fresh last block clears it.
+        self.shared = False
 
     @property
     def computed(self) -> int:
@@ -207,6 +216,10 @@ class GroupedKVCacheManager(KVCacheManager):
         self._ng = len(specs)
         # groups that ever release (sliding, chunked): (index, spec)
         self._local = tuple((g, s) for g, s in enumerate(specs) if type(s) is not FullAttention)
+        # the same, as (group, window or 0, chunk or 0): the decode slow path's inlined rule
+        # (0, 0 for a spec of another type: asked through its methods)
+        self._rules = tuple((g, s.window if type(s) is SlidingWindow else 0,
+                             s.chunk if type(s) is ChunkedLocalAttention else 0, s) for g, s in self._local)
         self._hasher = BlockHasher(hash_algo)
         self._digest = self._hasher.digest
         self._root = self._hasher.root()
@@ -654,7 +667,7 @@ class GroupedKVCacheManager(KVCacheManager):
                 return
         end_c = c - off + bs
         for g, spec in self._local:
-            r = next_release(spec, c, bs)
+            r = next_release(spec, c, bs, end_c)
             if r < end_c:
                 end_c = r
         s.nxt = s.tables[0][-1] * bs + off
@@ -683,9 +696,7 @@ class GroupedKVCacheManager(KVCacheManager):
             if fresh or copies:
                 self._check_room(fresh, copies, f"appending to {seq_id!r}", (),
                                  self._gain(((s, due),)) if due else ())
-            if due:
-                self._release(s, due)
-            slot = self._slot_slow(s)
+            slot = self._slot_slow(s)  # (makes the releases due first)
         s.tokens.append(token_id)
         slot += 1
         if slot != s.end:
@@ -716,27 +727,49 @@ class GroupedKVCacheManager(KVCacheManager):
         return fresh, sum(min(k, rc(b) - 1) for b, k in sharers.items())
 
     def _slot_slow(self, s: _GSeq) -> int:
-        """The next token's slot (group 0's) when the fast path cannot tell; releases are done
-        and capacity checked by the caller. Arms the fast path for the tokens after it."""
+        """The next token's slot (group 0's) when the fast path cannot tell: make the releases
+        due (capacity is the caller's to check, counting them), take a block per group or copy
+        a shared partial one, and arm the fast path for the tokens after it. The window rules
+        are ``released_below`` and :func:`next_release`, inlined (this runs twice a block per
+        sequence under a window: at the release point and at the block's end)."""
         bs, ng = self._bs, self._ng
         c = len(s.tokens)
         off = c % bs
-        if off:
-            rc = self._pool.refcount
-            for g in range(ng):
-                b = s.tables[g][-1]
-                if rc(b) > 1:
-                    self._copy_on_write(s, g, b)
-        else:
-            new = self._take(ng, 0)[1] if self._copy_src else self._pool.allocate(ng)
-            for g in range(ng):
-                s.tables[g].append(new[g])
-        slot = s.tables[0][-1] * bs + off
         end_c = c - off + bs
-        for g, spec in self._local:
-            r = next_release(spec, c, bs)
-            if r < end_c:
-                end_c = r
+        low = s.low
+        for g, w, ch, spec in self._rules:
+            if w:
+                first = c - w + 1
+                r = first // bs if first > 0 else 0
+                nr = (r + 1) * bs + w - 1
+            elif ch:
+                r = (c - c % ch) // bs
+                nr = -(-((r + 1) * bs) // ch) * ch
+            else:
+                r = spec.released_below(c, bs)
+                nr = next_release(spec, c, bs, end_c)
+            if r > low[g]:
+                self._release(s, ((g, low[g], r),))
+            if nr < end_c:
+                end_c = nr if nr > c else c + 1
+        if off:
+            if s.shared:
+                rc = self._pool.refcount
+                for g in range(ng):
+                    b = s.tables[g][-1]
+                    if rc(b) > 1:
+                        self._copy_on_write(s, g, b)
+                s.shared = False
+        else:
+            if self._copy_src:
+                new = self._take(ng, 0)[1]
+            else:
+                one = self._pool.allocate_one
+                new = [one() for _ in range(ng)]
+            for t, b in zip(s.tables, new):
+                t.append(b)
+            s.shared = False
+        slot = s.tables[0][-1] * bs + off
         s.end = slot + end_c - c
         return slot
 
@@ -873,13 +906,12 @@ class GroupedKVCacheManager(KVCacheManager):
             for sid, s in zip(seq_ids, ss):
                 if s.unscheduled or s.drafts:
                     raise ValueError(self._not_ready(sid, s, "append to"))
-        slow = [s for s in ss if s.nxt < 0]
-        if slow:
+        if self._pool.num_free < self._ng * n or self._copy_src:  # only then can the batch fail
+            slow = [s for s in ss if s.nxt < 0]
             dues = [(s, d) for s in slow for d in (self._due(s),) if d]
-            if self._pool.num_free < self._ng * len(slow) or self._copy_src:
-                fresh, copies = self._needs(slow)
-                self._check_room(fresh, copies, "a decode step", (), self._gain(dues) if dues else ())
-            for s, d in dues:
+            fresh, copies = self._needs(slow)
+            self._check_room(fresh, copies, "a decode step", (), self._gain(dues) if dues else ())
+            for s, d in dues:  # every release before any allocation: they may serve the step
                 self._release(s, d)
         bs = self._bs
         slot_slow = self._slot_slow
@@ -928,13 +960,13 @@ class GroupedKVCacheManager(KVCacheManager):
                 data = _le_bytes(block_tokens)
                 h = digest(parent, data + key.suffix if key is not None else data)
             chain_.append(h)
-            for g in range(ng):
-                blocks.append(s.tables[g][-1])
+            for g, t in enumerate(s.tables):
+                blocks.append(t[-1])
                 hashes.append((g, h))
                 parents.append((g, parent))
                 tokens.append(block_tokens)
-                if block_keys is not None:
-                    block_keys.append(key)
+            if block_keys is not None:
+                block_keys += [key] * ng
         self._cache.publish_blocks(blocks, hashes, parents, tokens, bs, block_keys)
 
     # ---- copies, transfers, swaps ------------------------------------------------------------
@@ -974,8 +1006,10 @@ class GroupedKVCacheManager(KVCacheManager):
         for g, t in enumerate(p.tables):
             pool.incref_all(t[p.low[g]:])
         p.nxt = -1
-        self._seqs[child_id] = _GSeq([t.copy() for t in p.tables], p.low.copy(), p.tokens[:],
-                                     p.hashes.copy(), p.keys, written=p.computed // self._bs)
+        p.shared = True
+        child = self._seqs[child_id] = _GSeq([t.copy() for t in p.tables], p.low.copy(), p.tokens[:],
+                                             p.hashes.copy(), p.keys, written=p.computed // self._bs)
+        child.shared = True
         self._forks += 1
 
     def free(self, seq_id: Hashable, *, cache: bool = True) -> None:
@@ -1155,6 +1189,9 @@ class GroupedKVCacheManager(KVCacheManager):
                 if done % bs and t:
                     b = t[-1]
                     _require(partial_fill.setdefault(b, done % bs) == done % bs, f"partial block {b} at two fills")
+            if not s.shared and done % bs and not s.unscheduled:
+                _require(all(pool.refcount(t[-1]) == 1 for t in s.tables),
+                         f"{sid!r}: a shared partial last block not marked shared")
             if s.nxt >= 0:
                 ok = (done % bs and not s.unscheduled and not s.drafts and s.nxt == s.tables[0][-1] * bs + done % bs
                       and all(pool.refcount(t[-1]) == 1 for t in s.tables) and not self._due(s)

@@ -25,6 +25,7 @@ leaves the manager exactly as it was.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import operator
 import sys
 from array import array
@@ -1517,6 +1518,12 @@ def _le_bytes_swapped(tokens: array) -> bytes:  # pragma: no cover - no big-endi
 # The tokens' bytes as little-endian uint32, the form every hash is computed over: on a
 # little-endian machine that is the array's own memory, and the C method is called directly.
 _le_bytes = _le_bytes_swapped if _BIG_ENDIAN else array.tobytes
+
+
+# inspect.signature(KVCacheManager) reads __new__ first, whose (*args, groups, **kwargs) only
+# dispatches: the constructor's parameters are __init__'s.
+KVCacheManager.__signature__ = inspect.signature(KVCacheManager.__init__).replace(
+    parameters=list(inspect.signature(KVCacheManager.__init__).parameters.values())[1:])
 
 
 def _one_full(specs: tuple) -> bool:
