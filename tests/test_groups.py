@@ -469,3 +469,38 @@ def test_plain_manager_events_carry_no_group():
     m.add_sequence("a", list(range(9)))
     [e] = m.take_events()
     assert (e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) == (None, None, None)
+
+
+# ---- the fleet's precise router on hybrid replicas ---------------------------------------------
+
+
+def test_precise_router_keys_on_group_and_hash():
+    """A replica whose sliding group released (and then evicted) a prompt's first block still
+    holds it in the full group: keyed on (group, hash), the router keeps the full group's entry,
+    and with ``groups`` it matches what the replica's own ``lookup`` returns."""
+    from pagedkv.sim.routers import PrefixAwareRouter
+
+    groups = [FullAttention(), SlidingWindow(8)]
+    m = grouped(num_blocks=64, groups=groups)
+    router = PrefixAwareRouter(block_size=4, groups=groups)
+    plain = PrefixAwareRouter(block_size=4)
+    for r in (router, plain):
+        r.bind(["r0", "r1"])
+    m.add_sequence("a", list(range(16)))
+    for t in range(8):
+        m.append_token("a", t)
+    ev = m.take_events()
+    for r in (router, plain):
+        r.on_events(0, ev)
+    assert router.blocks_held(0) == plain.blocks_held(0) and len(router.blocks_held(0)) == 6
+    assert len(router.blocks_held(0, group=1)) == 6
+    # a removal in group 1 leaves group 0's entry of the same hash
+    [h0] = [e.block_hashes[0] for e in ev if e.group_idx == 1][:1]
+    from pagedkv import BlockRemoved as Removed
+    from pagedkv.events import hash_to_u64
+    router.on_events(0, [Removed((h0,), "GPU", 1)])
+    assert hash_to_u64(h0) in router.blocks_held(0) and hash_to_u64(h0) not in router.blocks_held(0, group=1)
+    prompt = list(range(16)) + list(range(8)) + [9]
+    assert router.match_blocks(prompt)[1] == 0
+    # the hybrid rule: the window needs only the blocks covering h-7 .. h-1
+    assert router.match_blocks(prompt)[0] * 4 == m.lookup(prompt) == 24
