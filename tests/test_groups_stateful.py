@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
+from pagedkv.sim.routers import PrefixAwareRouter
 from pagedkv import ChunkedLocalAttention, FullAttention, KVCacheManager, OutOfBlocks, SlidingWindow
 
 CONFIGS = [
@@ -102,6 +103,9 @@ class GroupsMachine(RuleBasedStateMachine):
         cfg = data.draw(st.sampled_from(self.configs))
         self.m = KVCacheManager(num_blocks=nb, block_size=bs, groups=cfg, enable_prefix_caching=caching)
         self.e = Engine(self.m)
+        # a router's view of the cache, built from the events alone, under the hit rule
+        self.router = PrefixAwareRouter(block_size=bs, groups=cfg)
+        self.router.bind(["replica"])
         self.tokens: dict = {}
         self.sched: dict = {}   # positions scheduled
         self.drafts: dict = {}
@@ -132,7 +136,10 @@ class GroupsMachine(RuleBasedStateMachine):
     def admit(self, pre, cut, tail, chunk):
         prompt = PREFIXES[pre][:cut] + tail
         sid = f"s{self.next_id}"
+        self.router.on_events(0, self.m.take_events())
         looked = self.m.lookup(prompt)
+        if self.m.prefix_caching:  # the events tell a router exactly what a lookup finds
+            assert self.router.match_blocks(prompt)[0] * self.m.block_size == looked
         hit, ok = self.attempt(lambda: self.m.add_sequence(sid, prompt, prefill=chunk))
         if not ok:
             return
@@ -230,6 +237,17 @@ class GroupsMachine(RuleBasedStateMachine):
             del d[sid]
 
     @precondition(lambda self: self.m is not None)
+    @rule(now=st.integers(0, 7))
+    def reset(self, now):
+        if now:  # rarely: a reset empties the cache the hits need
+            return
+        held = self.m.usage().used_blocks
+        done = self.m.reset_prefix_cache()
+        assert done == (held == 0)  # refused while any block is in use, as the plain manager
+        if done:
+            assert self.m.usage().cached_blocks == 0
+
+    @precondition(lambda self: self.m is not None)
     @rule()
     def roundtrip(self):
         self.m = pickle.loads(pickle.dumps(self.m))
@@ -244,6 +262,19 @@ class GroupsMachine(RuleBasedStateMachine):
         m, bs = self.m, self.m.block_size
         m.check_invariants()
         assert sorted(m.seq_ids()) == sorted(self.tokens)
+        ids = sorted(self.tokens)
+        live = [{b for s in ids for b in m.block_table(s, group=g) if b >= 0} for g in range(m.num_groups)]
+        u = m.usage()
+        assert u.used_blocks == sum(map(len, live)) == m.num_blocks - m.num_free_blocks
+        assert u.logical_tokens == sum(self.sched.values())
+        for g in range(m.num_groups):
+            assert m.usage(group=g).used_blocks == len(live[g])
+            rows = m.block_tables(ids, group=g, pad=-7)
+            indptr, indices, last = m.flashinfer_layout(ids, group=g)
+            for i, s in enumerate(ids):
+                t = m.block_table(s, group=g)
+                assert rows[i, : len(t)].tolist() == t and (rows[i, len(t):] == -7).all()
+                assert indices[indptr[i]: indptr[i + 1]].tolist() == [b for b in t if b >= 0]
         for sid, toks in self.tokens.items():
             assert m.tokens(sid) == toks and m.num_computed(sid) == self.sched[sid]
             assert m.num_drafts(sid) == self.drafts[sid]
@@ -260,7 +291,7 @@ class GroupsMachine(RuleBasedStateMachine):
 
 
 TestGroups = GroupsMachine.TestCase
-TestGroups.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+TestGroups.settings = settings(max_examples=200, stateful_step_count=50, deadline=None,
                                phases=[p for p in settings().phases if p is not Phase.explain])
 
 
