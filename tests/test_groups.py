@@ -464,6 +464,21 @@ def test_events_on_the_wire_decode_with_vllms_structs():
     assert [msgspec.structs.asdict(e) for e in ours] == [msgspec.structs.asdict(e) for e in batch.events]
 
 
+def test_copyop_and_transfer_stay_pairs_and_triples():
+    """``group`` is kept beside the tuple: unpacking, numpy conversion and comparison with plain
+    tuples work as before contract v3, and the group still tells two ops apart."""
+    from pagedkv import Transfer
+
+    op = CopyOp(3, 5, group=1)
+    src, dst = op
+    assert (src, dst, op.group) == (3, 5, 1) and np.asarray([op, CopyOp(1, 2)]).shape == (2, 2)
+    assert op == (3, 5) and CopyOp(3, 5) == (3, 5) and op != CopyOp(3, 5) and op == CopyOp(3, 5, 1)
+    assert repr(CopyOp(3, 5)) == "CopyOp(src=3, dst=5)" and repr(op) == "CopyOp(src=3, dst=5, group=1)"
+    assert pickle.loads(pickle.dumps(op)).group == 1 and op._replace(group=0) == CopyOp(3, 5)
+    t = Transfer("to_host", 1, 2)
+    assert t == ("to_host", 1, 2) and len(t) == 3 and t.group == 0 and t.direction == "to_host"
+
+
 def test_plain_manager_events_carry_no_group():
     m = KVCacheManager(num_blocks=8, block_size=4)
     m.add_sequence("a", list(range(9)))
