@@ -45,6 +45,24 @@ def test_plain_groups_are_todays_manager():
         m.block_table("a", group=1)
 
 
+def test_groups_positionally_and_gpt_oss_at_block_size_4():
+    """gpt-oss's pattern [Full, Sliding(32)] at block size 4: a 40-token prompt takes 10 blocks
+    a group; the first decode call (position 40 reads 9..40) releases the window group's blocks
+    0 and 1 (positions 0..7, published: cached-free) and then takes a block per group."""
+    m = KVCacheManager(64, 4, True, "sha256", True, 0, "write-back", GPT_OSS)
+    assert isinstance(m, GroupedKVCacheManager) and m.num_groups == 2
+    m.add_sequence("r", list(range(40)))
+    assert m.block_table("r", group=1) == list(range(1, 20, 2))
+    m.append_token("r", 5)
+    assert m.block_table("r") == list(range(0, 20, 2)) + [20]
+    assert m.block_table("r", group=1) == [-1, -1] + list(range(5, 20, 2)) + [21]
+    assert (m.num_free_blocks, m.usage().cached_blocks, m.usage().used_blocks) == (44, 2, 20)
+    for t in range(3):
+        m.append_token("r", t)                  # committed 41..43: position 43 reads 12..43
+    assert m.block_table("r", group=1)[:3] == [-1, -1, -1]
+    m.check_invariants()
+
+
 @pytest.mark.parametrize("bad", [[], [FullAttention(), "sliding"], "full", [SlidingWindow], None.__class__])
 def test_bad_groups_are_value_errors(bad):
     with pytest.raises(ValueError):

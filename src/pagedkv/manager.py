@@ -198,6 +198,8 @@ class KVCacheManager:
         """``groups`` other than ``None`` or exactly ``[FullAttention()]`` builds the grouped
         manager (:class:`~pagedkv.grouped.GroupedKVCacheManager`, contract v3); everything else
         is this class, unchanged."""
+        if groups is None and len(args) > 7:  # passed positionally, after host_write_policy
+            groups = args[7]
         if cls is KVCacheManager and groups is not None and not _one_full(check_groups(groups)):
             from .grouped import GroupedKVCacheManager
 
@@ -235,8 +237,9 @@ class KVCacheManager:
         if host_write_policy not in WRITE_POLICIES:
             raise ValueError(f"host_write_policy must be one of {WRITE_POLICIES}, got {host_write_policy!r}")
         if groups is not None and not _one_full(check_groups(groups)):
-            raise ValueError("groups other than [FullAttention()] need the grouped manager: build it "
-                             "as KVCacheManager(..., groups=[...])")
+            raise ValueError("groups other than [FullAttention()] need the grouped manager "
+                             "(pagedkv.grouped.GroupedKVCacheManager), which KVCacheManager(..., "
+                             "groups=[...]) builds")
         self._hasher = BlockHasher(hash_algo)
         self._digest = self._hasher.digest
         self._root = self._hasher.root()  # every prompt's first block is chained from it
