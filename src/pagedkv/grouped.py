@@ -737,6 +737,7 @@ class GroupedKVCacheManager(KVCacheManager):
         off = c % bs
         end_c = c - off + bs
         low = s.low
+        cache = self._cache
         for g, w, ch, spec in self._rules:
             if w:
                 first = c - w + 1
@@ -748,8 +749,16 @@ class GroupedKVCacheManager(KVCacheManager):
             else:
                 r = spec.released_below(c, bs)
                 nr = next_release(spec, c, bs, end_c)
-            if r > low[g]:
-                self._release(s, ((g, low[g], r),))
+            lo = low[g]
+            if r > lo:
+                if r == lo + 1 and not self._copy_dst and not (cache is not None and cache.has_twins):
+                    t = s.tables[g]  # one block leaves the window: the common case, inlined
+                    b = t[lo]
+                    t[lo] = -1
+                    low[g] = r
+                    self._pool.release_all((b,))
+                else:
+                    self._release(s, ((g, lo, r),))
             if nr < end_c:
                 end_c = nr if nr > c else c + 1
         if off:
@@ -762,12 +771,12 @@ class GroupedKVCacheManager(KVCacheManager):
                 s.shared = False
         else:
             if self._copy_src:
-                new = self._take(ng, 0)[1]
+                for t, b in zip(s.tables, self._take(ng, 0)[1]):
+                    t.append(b)
             else:
                 one = self._pool.allocate_one
-                new = [one() for _ in range(ng)]
-            for t, b in zip(s.tables, new):
-                t.append(b)
+                for t in s.tables:
+                    t.append(one())
             s.shared = False
         slot = s.tables[0][-1] * bs + off
         s.end = slot + end_c - c
