@@ -53,7 +53,7 @@ import numpy as np
 
 from .checks import as_int, flag, int_at_least, optional_int_at_least
 from .checks import require as _require
-from .hashing import MAX_TOKEN_ID, BlockHasher, ExtraKeys, token_bytes
+from .hashing import MAX_TOKEN_ID, BlockHasher, ExtraKeys
 from .kv_specs import AttentionSpec, ChunkedLocalAttention, FullAttention, SlidingWindow, check_groups
 from .manager import KVCacheManager
 from .pool import MAX_BLOCKS, BlockPool
