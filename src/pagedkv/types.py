@@ -42,28 +42,88 @@ class OutOfBlocks(RuntimeError):
         return (type(self), (self.needed, self.available, self.what))
 
 
-class CopyOp(NamedTuple):
+class _Tagged(tuple):
+    """A named tuple of its positional fields, tagged with an attention ``group`` kept beside
+    the tuple, not in it (contract v3): ``CopyOp(3, 5)`` is still the pair ``(3, 5)``, so
+    ``src, dst = op``, ``np.asarray(copies)`` (an ``[n, 2]`` array) and ``op == (3, 5)`` work
+    as before groups existed, while ``op.group`` names the group whose layers the block holds.
+    Two tagged tuples are equal when their fields and groups are; a plain tuple compares with
+    the fields alone. Example: ``CopyOp(3, 5, group=1) != CopyOp(3, 5)``, ``CopyOp(3, 5) ==
+    (3, 5)``, ``CopyOp(3, 5, group=1) == (3, 5)``."""
+
+    _fields: tuple = ()
+    group = 0  # the class default: a group-0 op carries no instance dict entry
+
+    def __getnewargs__(self):
+        return (*self, self.group)
+
+    def __eq__(self, other):
+        if isinstance(other, _Tagged) and self.group != other.group:
+            return False
+        return tuple.__eq__(self, other)
+
+    def __ne__(self, other):
+        return not self.__eq__(other)
+
+    __hash__ = tuple.__hash__
+
+    def _asdict(self) -> dict:
+        return dict(zip(self._fields, (*self, self.group)))
+
+    def _replace(self, **changes):
+        fields = self._asdict()
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise ValueError(f"got unexpected field names: {sorted(unknown)!r}")
+        fields.update(changes)
+        return type(self)(**fields)
+
+    def __repr__(self) -> str:  # group 0 left out: a manager without groups prints as it did
+        shown = self._asdict() if self.group else dict(zip(self._fields, self))
+        inner = ", ".join(f"{k}={v!r}" for k, v in shown.items())
+        return f"{type(self).__name__}({inner})"
+
+
+class CopyOp(_Tagged):
     """One block copy the engine must run before the step's KV writes: ``dst[:] = src[:]``.
 
     ``src`` and ``dst`` are physical block ids (not slots): copy all ``block_size`` slots of
-    every layer's keys and values. Queued by copy-on-write; a named tuple so that a list of them
-    converts straight to an ``[n, 2]`` int array for one batched copy kernel (the list that
-    ``take_copies`` returns is safe to run that way).
+    every layer's keys and values, of group ``group``'s layers for a manager built with
+    ``groups=[...]`` (0 otherwise). Queued by copy-on-write; a pair (the group is kept beside
+    it, see ``_Tagged``) so that a list of them converts straight to an ``[n, 2]`` int array for
+    one batched copy kernel (the list that ``take_copies`` returns is safe to run that way; a
+    grouped manager's copies of one group are one such batch).
     """
 
-    src: int  # physical block id read
-    dst: int  # physical block id written
+    __slots__ = ()
+    _fields = ("src", "dst", "group")
+
+    def __new__(cls, src: int, dst: int, group: int = 0) -> "CopyOp":
+        op = tuple.__new__(cls, (src, dst))
+        if group:
+            op.group = group
+        return op
+
+    @property
+    def src(self) -> int:  # physical block id read
+        return self[0]
+
+    @property
+    def dst(self) -> int:  # physical block id written
+        return self[1]
 
 
 TO_HOST = "to_host"
 TO_DEVICE = "to_device"
 
 
-class Transfer(NamedTuple):
+class Transfer(_Tagged):
     """One block the engine must move between the device and the host tier, before the step's
     KV writes: ``direction`` is ``"to_host"`` (``src`` a device block id, ``dst`` a host block
     id) or ``"to_device"`` (``src`` a host block, ``dst`` a device block). All layers' keys and
-    values of the block move.
+    values of the block move. ``group`` (contract v3) names the attention group whose layers
+    the block holds: always 0 for now (the host tier does not take groups yet); it is kept
+    beside the triple, as ``CopyOp``'s, so a transfer is still ``(direction, src, dst)``.
 
     ``take_transfers`` lists every ``to_host`` entry before every ``to_device`` entry. Each
     direction is one batch (no block is a destination twice, no destination is another entry's
@@ -71,9 +131,26 @@ class Transfer(NamedTuple):
     ``to_device`` entry fills), then the ``to_device`` batch, then the copies of ``take_copies``.
     """
 
-    direction: str  # "to_host" | "to_device"
-    src: int
-    dst: int
+    __slots__ = ()
+    _fields = ("direction", "src", "dst", "group")
+
+    def __new__(cls, direction: str, src: int, dst: int, group: int = 0) -> "Transfer":
+        t = tuple.__new__(cls, (direction, src, dst))
+        if group:
+            t.group = group
+        return t
+
+    @property
+    def direction(self) -> str:  # "to_host" | "to_device"
+        return self[0]
+
+    @property
+    def src(self) -> int:
+        return self[1]
+
+    @property
+    def dst(self) -> int:
+        return self[2]
 
 
 class PrefixHit(int):
@@ -207,6 +284,11 @@ class BlockStored(NamedTuple):
     medium: str = "GPU"  # where the blocks now live: "GPU" (the device) or "CPU" (the host tier)
     lora_name: str | None = None
     extra_keys: tuple | None = None
+    # A grouped manager's (contract v3): the group, its spec's kind ("full_attention",
+    # "sliding_window", "chunked_local_attention") and its window (None unless sliding).
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(NamedTuple):
@@ -219,6 +301,7 @@ class BlockRemoved(NamedTuple):
 
     block_hashes: tuple
     medium: str = "GPU"
+    group_idx: int | None = None  # the group the blocks belonged to (a grouped manager)
 
 
 class AllBlocksCleared(NamedTuple):
