@@ -49,10 +49,11 @@ class CopyQueue:
 
     # ---- the queue ---------------------------------------------------------------------------
 
-    def add(self, old: int, new: int) -> None:
-        """Queue the copy of ``old`` into ``new`` (a fresh destination from :meth:`take_one`)."""
+    def add(self, old: int, new: int, group: int = 0) -> None:
+        """Queue the copy of ``old`` into ``new`` (a destination from :meth:`destination`);
+        ``group`` is the attention group whose table holds it (a grouped manager's)."""
         src = self._dst.get(old, old)
-        self._copies.append(CopyOp(src, new))
+        self._copies.append(CopyOp(src, new, group))
         self._dst[new] = src
         self.sources[src] = self.sources.get(src, 0) + 1
 
@@ -65,14 +66,21 @@ class CopyQueue:
         dst_index, sources = self._dst, self.sources
         if not dst_index:
             return
-        for dst in [b for b in blocks if b in dst_index]:
+        dropped = [b for b in blocks if b in dst_index]
+        for dst in dropped:
             src = dst_index.pop(dst)
-            self._copies.remove(CopyOp(src, dst))
             left = sources[src] - 1
             if left:
                 sources[src] = left
             else:
                 del sources[src]
+        if dropped:
+            gone = set(dropped)
+            self._copies = [c for c in self._copies if c.dst not in gone]
+
+    def pending(self) -> list[CopyOp]:
+        """The pending copies, in the order they were queued (a copy of the list)."""
+        return list(self._copies)
 
     def take(self) -> list[CopyOp]:
         """Drain the pending copies, in the order they were queued."""
@@ -82,21 +90,25 @@ class CopyQueue:
 
     # ---- the allocation rule -----------------------------------------------------------------
 
-    def freed_sources(self, revived: Collection[int] = ()) -> list[int]:
-        """Free blocks a pending copy still reads (none of ``revived``: hits about to be taken)."""
+    def freed_sources(self, revived: Collection[int] = (), gain: Collection[int] = ()) -> list[int]:
+        """Free blocks a pending copy still reads (none of ``revived``: hits about to be taken;
+        ``gain``: blocks about to be freed first, by a grouped manager's window releases)."""
         refcount = self._pool.refcount
-        return [b for b in self.sources if not refcount(b) and b not in revived]
+        return [b for b in self.sources if (not refcount(b) or b in gain) and b not in revived]
 
-    def check_room(self, fresh: int, avoiding: int, what: str, acquire: Sequence[int] = ()) -> None:
+    def check_room(self, fresh: int, avoiding: int, what: str, acquire: Sequence[int] = (),
+                   gain: Collection[int] = ()) -> None:
         """Raise OutOfBlocks (changing nothing) unless :meth:`allocate` ``(fresh, avoiding,
         acquire)`` can be served. ``available`` is ``min(F, fresh + F - S)``, the blocks this
         call's shape can use, so that releasing ``needed - available`` ordinary blocks always
-        makes it fit. Example: F = 2 with S = 1 and a call of one copy only: available 1."""
+        makes it fit. Example: F = 2 with S = 1 and a call of one copy only: available 1.
+        ``gain``: blocks the call frees before it allocates (a grouped manager's window
+        releases), counted as free."""
         pool = self._pool
-        free = pool.num_free - (pool.count_cached(acquire) if acquire else 0)
+        free = pool.num_free - (pool.count_cached(acquire) if acquire else 0) + len(gain)
         available = free
         if avoiding and self.sources:
-            usable = free - len(self.freed_sources(set(acquire) if acquire else ()))
+            usable = free - len(self.freed_sources(set(acquire) if acquire else (), gain))
             available = min(free, fresh + usable)
         if fresh + avoiding > available:
             raise OutOfBlocks(fresh + avoiding, available, what)

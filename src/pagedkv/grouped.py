@@ -57,6 +57,7 @@ from .hashing import MAX_TOKEN_ID, BlockHasher, ExtraKeys
 from .kv_specs import AttentionSpec, ChunkedLocalAttention, FullAttention, SlidingWindow, check_groups
 from .manager import KVCacheManager
 from .pool import MAX_BLOCKS, BlockPool
+from .copy_queue import CopyQueue
 from .prefix_cache import PrefixCache
 from .types import (AllBlocksCleared, BlockRemoved, BlockStored, CopyOp, OutOfBlocks, PrefixHit,
                     Transfer, Usage)
@@ -230,9 +231,7 @@ class GroupedKVCacheManager(KVCacheManager):
         self._bs = block_size
         self._seqs: dict[Hashable, _GSeq] = {}
         self._unready = 0
-        self._copies: list[CopyOp] = []
-        self._copy_dst: dict[int, int] = {}
-        self._copy_src: dict[int, int] = {}
+        self._cq = CopyQueue(self._pool)  # pending copies and the allocation rule around them
         self._memo: OrderedDict[tuple, list] = OrderedDict()
         self._memo_blocks = 0
         self._cow_copies = 0
@@ -438,40 +437,6 @@ class GroupedKVCacheManager(KVCacheManager):
         k, hits = self._hits(hashes, (n - 1) // bs)
         return PrefixHit(k * bs, 0, self._pool.count_cached(list(chain.from_iterable(hits))))
 
-    # ---- the allocation rule around pending copies (as the plain manager's) ------------------
-
-    def _check_room(self, fresh: int, avoiding: int, what: str, acquire: Sequence[int] = (),
-                    gain: Collection[int] = ()) -> None:
-        """OutOfBlocks (nothing changed) unless ``fresh`` blocks written after the step's copies
-        and ``avoiding`` blocks written before them (copy-on-write destinations) can be had,
-        after acquiring ``acquire`` (hits) and releasing ``gain`` (blocks whose last reference a
-        window release drops first)."""
-        pool = self._pool
-        free = pool.num_free - (pool.count_cached(acquire) if acquire else 0) + len(gain)
-        available = free
-        if avoiding and self._copy_src:
-            acq = set(acquire)
-            freed = sum(1 for b in self._copy_src
-                        if (pool.is_free(b) or b in gain) and b not in acq)
-            available = min(free, fresh + free - freed)
-        if fresh + avoiding > available:
-            raise OutOfBlocks(fresh + avoiding, available, what)
-
-    def _take(self, fresh: int, avoiding: int, acquire: Sequence[int] = ()) -> tuple[list, list]:
-        pool = self._pool
-        if acquire:
-            pool.acquire(acquire)
-        reads = self._copy_src
-        if not reads:
-            new = pool.allocate(avoiding + fresh)
-            return new[:avoiding], new[avoiding:]
-        dst = [pool.allocate_one_avoiding(reads) for _ in range(avoiding)]
-        is_free = pool.is_free
-        sources = [b for b in reads if is_free(b)][:fresh]
-        if sources:
-            pool.claim(sources)
-        return dst, sources + pool.allocate(fresh - len(sources))
-
     # ---- releases ----------------------------------------------------------------------------
 
     def _due(self, s: _GSeq) -> list:
@@ -514,28 +479,16 @@ class GroupedKVCacheManager(KVCacheManager):
         """Blocks whose last reference is about to go: a pending copy into one has nothing to
         serve (the block is unpublished, its content never arrives), and a twin among them no
         longer holds anything worth its hash."""
-        if self._copy_dst:
-            into = [b for b in blocks if b in self._copy_dst and rc(b) == 1]
+        cq = self._cq
+        if cq.sources:
+            into = [b for b in blocks if cq.is_destination(b) and rc(b) == 1]
             if into:
-                for dst in into:
-                    src = self._copy_dst.pop(dst)
-                    self._copies.remove(CopyOp(src, dst, self._copy_group(dst)))
-                    left = self._copy_src[src] - 1
-                    if left:
-                        self._copy_src[src] = left
-                    else:
-                        del self._copy_src[src]
+                cq.drop_into(into)
                 if self._cache is not None:
                     self._cache.unpublish(into)
         cache = self._cache
         if cache is not None and cache.has_twins:
             cache.forget_twins([b for b in cache.twins_among(blocks) if rc(b) == 1])
-
-    def _copy_group(self, dst: int) -> int:
-        for c in self._copies:
-            if c.dst == dst:
-                return c.group
-        return 0
 
     # ---- admission ---------------------------------------------------------------------------
 
@@ -578,9 +531,9 @@ class GroupedKVCacheManager(KVCacheManager):
         per = -(-computed // bs) - k  # new blocks per group
         acquire = list(chain.from_iterable(hits)) if k else []
         what = f"admitting {seq_id!r}"
-        if self._copy_src:
-            self._check_room(per * ng, 0, what, acquire)
-            new = self._take(per * ng, 0, acquire)[1]
+        if self._cq.sources:
+            self._cq.check_room(per * ng, 0, what, acquire)
+            new = self._cq.allocate(per * ng, 0, acquire)[1]
         else:
             try:
                 new = self._pool.allocate(per * ng, acquire=acquire)
@@ -621,11 +574,11 @@ class GroupedKVCacheManager(KVCacheManager):
         due = self._due(s)
         if per > 0 or due:
             gain = self._gain(((s, due),)) if due else ()
-            self._check_room(per * ng, 0, f"prefilling {seq_id!r}", (), gain)
+            self._cq.check_room(per * ng, 0, f"prefilling {seq_id!r}", (), gain)
             if due:
                 self._release(s, due)
             if per > 0:
-                new = self._take(per * ng, 0)[1]
+                new = self._cq.allocate(per * ng, 0)[1]
                 for g in range(ng):
                     s.tables[g] += new[g::ng]
         s.unscheduled = rest - n
@@ -694,7 +647,7 @@ class GroupedKVCacheManager(KVCacheManager):
             due = self._due(s)
             fresh, copies = self._needs((s,))
             if fresh or copies:
-                self._check_room(fresh, copies, f"appending to {seq_id!r}", (),
+                self._cq.check_room(fresh, copies, f"appending to {seq_id!r}", (),
                                  self._gain(((s, due),)) if due else ())
             slot = self._slot_slow(s)  # (makes the releases due first)
         s.tokens.append(token_id)
@@ -751,7 +704,7 @@ class GroupedKVCacheManager(KVCacheManager):
                 nr = next_release(spec, c, bs, end_c)
             lo = low[g]
             if r > lo:
-                if r == lo + 1 and not self._copy_dst and not (cache is not None and cache.has_twins):
+                if r == lo + 1 and not self._cq.sources and not (cache is not None and cache.has_twins):
                     t = s.tables[g]  # one block leaves the window: the common case, inlined
                     b = t[lo]
                     t[lo] = -1
@@ -770,8 +723,8 @@ class GroupedKVCacheManager(KVCacheManager):
                         self._copy_on_write(s, g, b)
                 s.shared = False
         else:
-            if self._copy_src:
-                for t, b in zip(s.tables, self._take(ng, 0)[1]):
+            if self._cq.sources:
+                for t, b in zip(s.tables, self._cq.allocate(ng, 0)[1]):
                     t.append(b)
             else:
                 one = self._pool.allocate_one
@@ -783,17 +736,10 @@ class GroupedKVCacheManager(KVCacheManager):
         return slot
 
     def _copy_on_write(self, s: _GSeq, g: int, old: int) -> None:
-        pool = self._pool
-        if self._copy_src:
-            new = self._take(0, 1)[0][0]
-        else:
-            new = pool.allocate_one()
-        pool.release(old)
+        new = self._cq.destination()
+        self._pool.release(old)
         s.tables[g][-1] = new
-        src = self._copy_dst.get(old, old)
-        self._copies.append(CopyOp(src, new, g))
-        self._copy_dst[new] = src
-        self._copy_src[src] = self._copy_src.get(src, 0) + 1
+        self._cq.add(old, new, g)
         self._cow_copies += 1
 
     def append_tokens(self, seq_id: Hashable, token_ids: Sequence[int], speculative: bool = False) -> list[int]:
@@ -816,7 +762,7 @@ class GroupedKVCacheManager(KVCacheManager):
         rc = self._pool.refcount
         copies = sum(1 for t in s.tables if rc(t[-1]) > 1) if n % bs else 0
         if fresh or copies or due:
-            self._check_room(fresh, copies, f"appending to {seq_id!r}", (),
+            self._cq.check_room(fresh, copies, f"appending to {seq_id!r}", (),
                              self._gain(((s, due),)) if due else ())
         if due:
             self._release(s, due)
@@ -835,7 +781,7 @@ class GroupedKVCacheManager(KVCacheManager):
                         if rc(b) > 1:
                             self._copy_on_write(s, g, b)
             else:
-                new = self._take(ng, 0)[1] if self._copy_src else self._pool.allocate(ng)
+                new = self._cq.allocate(ng, 0)[1] if self._cq.sources else self._pool.allocate(ng)
                 for g in range(ng):
                     s.tables[g].append(new[g])
             out.append(s.tables[0][-1] * bs + off)
@@ -915,11 +861,11 @@ class GroupedKVCacheManager(KVCacheManager):
             for sid, s in zip(seq_ids, ss):
                 if s.unscheduled or s.drafts:
                     raise ValueError(self._not_ready(sid, s, "append to"))
-        if self._pool.num_free < self._ng * n or self._copy_src:  # only then can the batch fail
+        if self._pool.num_free < self._ng * n or self._cq.sources:  # only then can the batch fail
             slow = [s for s in ss if s.nxt < 0]
             dues = [(s, d) for s in slow for d in (self._due(s),) if d]
             fresh, copies = self._needs(slow)
-            self._check_room(fresh, copies, "a decode step", (), self._gain(dues) if dues else ())
+            self._cq.check_room(fresh, copies, "a decode step", (), self._gain(dues) if dues else ())
             for s, d in dues:  # every release before any allocation: they may serve the step
                 self._release(s, d)
         bs = self._bs
@@ -983,9 +929,7 @@ class GroupedKVCacheManager(KVCacheManager):
     def take_copies(self) -> list[CopyOp]:
         """Drain the copy-on-write copies: ``CopyOp(src, dst, group)``, batch-safe as the plain
         manager's (no block a destination twice, no destination another copy's source)."""
-        copies, self._copies = self._copies, []
-        self._copy_dst, self._copy_src = {}, {}
-        return copies
+        return self._cq.take()
 
     def take_transfers(self) -> list[Transfer]:
         """Always empty: a grouped manager has no host tier."""
@@ -1140,7 +1084,7 @@ class GroupedKVCacheManager(KVCacheManager):
             cached = 0
         else:
             g = groups[0]
-            cached = sum(1 for key, b in cache.items() if key[0] == g and pool.is_cached(b))
+            cached = sum(1 for b, key in pool.keyed_blocks().items() if key[0] == g and pool.is_cached(b))
         allocated = nused * bs
         return Usage(
             num_blocks=pool.num_blocks,
@@ -1217,13 +1161,8 @@ class GroupedKVCacheManager(KVCacheManager):
             for t in s.tables:
                 for b in t[: s.computed // bs]:
                     _require(b < 0 or b not in partial_fill, f"block {b} full in one table, partial in another")
-        dsts = [c.dst for c in self._copies]
-        srcs = Counter(c.src for c in self._copies)
-        _require(len(set(dsts)) == len(dsts), "a block is a copy destination twice")
-        _require(not set(dsts) & set(srcs), "a copy destination is the source of another copy")
-        _require(self._copy_dst == {c.dst: c.src for c in self._copies}, "copy index differs")
-        _require(self._copy_src == dict(srcs), "copy source counts differ")
-        for c in self._copies:
+        self._cq.check_invariants()
+        for c in self._cq.pending():
             _require(pool.refcount(c.dst) > 0 and owner.get(c.dst) == c.group,
                      f"copy destination {c.dst} is free or not in group {c.group}")
         self._check_cache(owner)
