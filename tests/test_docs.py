@@ -54,17 +54,22 @@ CONTRACT_METHODS = {
     "prefill": ["seq_id", "n"],
     "num_computed": ["seq_id"],
     "accept": ["seq_id", "k"],
-    "slots": ["seq_id", "start", "stop"],
+    "slots": ["seq_id", "start", "stop", "group"],
+    # v3 (KV cache groups): the exports and usage take a group
+    "block_table": ["seq_id", "group"],
+    "block_tables": ["seq_ids", "pad", "group"],
+    "flashinfer_layout": ["seq_ids", "group"],
+    "usage": ["group"],
 }
-CONTRACT_PROPERTIES = ["num_free_blocks"]
-CONSTRUCTOR_ARGS = ["num_blocks", "block_size", "enable_prefix_caching", "hash_algo"]
+CONTRACT_PROPERTIES = ["num_free_blocks", "num_groups"]
+CONSTRUCTOR_ARGS = ["num_blocks", "block_size", "enable_prefix_caching", "hash_algo", "groups"]
 HASH_ALGOS = ["sha256", "xxh3", "builtin"]
 USAGE_FIELDS = [
     "logical_tokens", "stored_tokens", "used_blocks", "allocated_slots", "internal_fragmentation",
     "blocks_saved_by_sharing", "cached_blocks", "prefix_query_tokens", "prefix_hit_tokens",
     "cow_copies", "forks", "evictions",
 ]
-COPYOP_FIELDS = ("src", "dst")
+COPYOP_FIELDS = ("src", "dst", "group")  # group: contract v3, 0 by default
 OUTOFBLOCKS_FIELDS = ["needed", "available"]
 # Documented extensions: they must exist and be described too.
 EXTENSION_METHODS = ["tokens", "num_drafts", "seq_ids"]
@@ -136,7 +141,7 @@ def test_contract_names_exist_in_the_package():
     ctor = inspect.signature(KVCacheManager).parameters
     assert [p for p in CONSTRUCTOR_ARGS if p not in ctor] == []
     assert {f.name for f in dataclasses.fields(Usage)} >= set(USAGE_FIELDS)
-    assert CopyOp._fields == COPYOP_FIELDS and CopyOp(3, 5).dst == 5
+    assert CopyOp._fields == COPYOP_FIELDS and CopyOp(3, 5).dst == 5 and CopyOp(3, 5) == CopyOp(3, 5, group=0)
     err = OutOfBlocks(7, 2)
     assert isinstance(err, RuntimeError) and (err.needed, err.available) == (7, 2)
     assert ALGORITHMS == tuple(HASH_ALGOS)

@@ -25,6 +25,7 @@ leaves the manager exactly as it was.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import operator
 import sys
 from array import array
@@ -43,6 +44,7 @@ from .checks import as_int
 from .checks import require as _require
 from .pool import MAX_BLOCKS, BlockPool
 from .prefix_cache import PrefixCache
+from .kv_specs import FullAttention, check_groups
 from .types import CopyOp, OutOfBlocks, PrefixHit, Transfer, Usage
 
 __all__ = ["KVCacheManager"]
@@ -192,6 +194,16 @@ class KVCacheManager:
     (``builtin`` hashes stay valid only within the process that computed them).
     """
 
+    def __new__(cls, *args: Any, groups: Sequence | None = None, **kwargs: Any) -> "KVCacheManager":
+        """``groups`` other than ``None`` or exactly ``[FullAttention()]`` builds the grouped
+        manager (:class:`~pagedkv.grouped.GroupedKVCacheManager`, contract v3); everything else
+        is this class, unchanged."""
+        if cls is KVCacheManager and groups is not None and not _one_full(check_groups(groups)):
+            from .grouped import GroupedKVCacheManager
+
+            return super().__new__(GroupedKVCacheManager)
+        return super().__new__(cls)
+
     def __init__(
         self,
         num_blocks: int,
@@ -201,6 +213,7 @@ class KVCacheManager:
         enable_events: bool = True,
         host_blocks: int = 0,
         host_write_policy: str = "write-back",
+        groups: Sequence | None = None,
     ) -> None:
         block_size = as_int(block_size, "block_size")
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
@@ -221,6 +234,9 @@ class KVCacheManager:
             raise ValueError(f"host_blocks must be at most {MAX_BLOCKS}, got {host_blocks}")
         if host_write_policy not in WRITE_POLICIES:
             raise ValueError(f"host_write_policy must be one of {WRITE_POLICIES}, got {host_write_policy!r}")
+        if groups is not None and not _one_full(check_groups(groups)):
+            raise ValueError("groups other than [FullAttention()] need the grouped manager: build it "
+                             "as KVCacheManager(..., groups=[...])")
         self._hasher = BlockHasher(hash_algo)
         self._digest = self._hasher.digest
         self._root = self._hasher.root()  # every prompt's first block is chained from it
@@ -293,6 +309,11 @@ class KVCacheManager:
         return self._bs
 
     @property
+    def num_groups(self) -> int:
+        """Attention groups (block tables per sequence): 1, a uniform model's one group."""
+        return 1
+
+    @property
     def num_blocks(self) -> int:
         """Physical blocks in the pool, used or free."""
         return self._pool.num_blocks
@@ -345,19 +366,23 @@ class KVCacheManager:
         """The live sequence ids, in admission order."""
         return list(self._seqs)
 
-    def block_table(self, seq_id: Hashable) -> list[int]:
-        """Physical block ids of the sequence's scheduled positions, logical order."""
+    def block_table(self, seq_id: Hashable, group: int = 0) -> list[int]:
+        """Physical block ids of the sequence's scheduled positions, logical order (``group``:
+        0, the one group)."""
         s = self._seq(seq_id)
+        _group_zero(group)
         if s.unscheduled:  # admitted with reserve=True: the reserved tail is not scheduled
             return s.table[: -(-s.computed // self._bs)]
         return list(s.table)
 
-    def reserved_table(self, seq_id: Hashable) -> list[int]:
+    def reserved_table(self, seq_id: Hashable, group: int = 0) -> list[int]:
         """Every block the sequence holds, logical order: ``block_table(id)`` plus, for a prompt
         admitted with ``reserve=True`` and not fully scheduled yet, the blocks reserved for its
         unscheduled positions. Example (block size 16, a 40-token prompt admitted with
         ``prefill=0, reserve=True``, nothing cached): ``block_table`` is [], this is [0, 1, 2]."""
-        return list(self._seq(seq_id).table)
+        s = self._seq(seq_id)
+        _group_zero(group)
+        return list(s.table)
 
     def num_tokens(self, seq_id: Hashable) -> int:
         """Every token the sequence knows: the whole prompt, appended tokens, pending drafts."""
@@ -380,13 +405,14 @@ class KVCacheManager:
         """How many block tables hold the block (0 when it is free); ValueError out of range."""
         return self._pool.refcount(block_id)
 
-    def slots(self, seq_id: Hashable, start: int = 0, stop: int | None = None) -> np.ndarray:
+    def slots(self, seq_id: Hashable, start: int = 0, stop: int | None = None, group: int = 0) -> np.ndarray:
         """Physical slots (``np.int64``) of positions ``start..stop``, where a prefill writes.
 
         ``stop`` defaults to ``num_computed(id)``, the last scheduled position: after
         ``hit = add_sequence(...)`` the engine computes K/V for ``slots(id, hit)``.
         """
         s = self._seq(seq_id)
+        _group_zero(group)
         if s.host is not None:
             raise ValueError(self._not_ready(seq_id, s, "read the slots of"))
         n = s.computed
@@ -1211,13 +1237,14 @@ class KVCacheManager:
 
     # ---- exports for kernels -----------------------------------------------------------------
 
-    def block_tables(self, seq_ids: Sequence[Hashable], pad: int = -1) -> np.ndarray:
+    def block_tables(self, seq_ids: Sequence[Hashable], pad: int = -1, group: int = 0) -> np.ndarray:
         """Block tables as one padded ``np.int32[len(seq_ids), max_blocks]`` array (vLLM's form).
 
         Rows are copied from each sequence's int32 mirror, so the cost is one slice copy per
         sequence, not one Python int per block.
         """
         ss = self._seq_list(seq_ids)
+        _group_zero(group)
         pad = as_int(pad, "pad")
         if not -(2**31) <= pad < 2**31:
             raise ValueError(f"pad must fit in int32, got {pad}")
@@ -1232,7 +1259,7 @@ class KVCacheManager:
             row[: len(r)] = r
         return out
 
-    def flashinfer_layout(self, seq_ids: Sequence[Hashable]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def flashinfer_layout(self, seq_ids: Sequence[Hashable], group: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """FlashInfer's paged layout: ``(indptr, indices, last_page_len)``, all ``np.int32``.
 
         Describes scheduled positions. Example (page size 4, lengths 10, 4, 5; tables [0,1,2],
@@ -1240,6 +1267,7 @@ class KVCacheManager:
         A sequence with nothing scheduled has no pages and a last_page_len of 0.
         """
         ss = self._seq_list(seq_ids)
+        _group_zero(group)
         bs = self._bs
         if self._unready:  # positions not scheduled yet have no page, reserved (reserve=True) or not
             tables = [s.int32_table()[: -(-s.computed // bs)] if s.unscheduled else s.int32_table() for s in ss]
@@ -1260,8 +1288,11 @@ class KVCacheManager:
 
     # ---- accounting --------------------------------------------------------------------------
 
-    def usage(self) -> Usage:
-        """What the cache holds now, over scheduled positions (see :class:`~pagedkv.types.Usage`)."""
+    def usage(self, group: int | None = None) -> Usage:
+        """What the cache holds now, over scheduled positions (see :class:`~pagedkv.types.Usage`);
+        ``group`` None or 0 (the one group) gives the same figures."""
+        if group is not None:
+            _group_zero(group)
         bs, pool = self._bs, self._pool
         used = pool.num_used
         logical = logical_blocks = 0
@@ -1487,6 +1518,23 @@ def _le_bytes_swapped(tokens: array) -> bytes:  # pragma: no cover - no big-endi
 # The tokens' bytes as little-endian uint32, the form every hash is computed over: on a
 # little-endian machine that is the array's own memory, and the C method is called directly.
 _le_bytes = _le_bytes_swapped if _BIG_ENDIAN else array.tobytes
+
+
+# inspect.signature(KVCacheManager) reads __new__ first, whose (*args, groups, **kwargs) only
+# dispatches: the constructor's parameters are __init__'s.
+KVCacheManager.__signature__ = inspect.signature(KVCacheManager.__init__).replace(
+    parameters=list(inspect.signature(KVCacheManager.__init__).parameters.values())[1:])
+
+
+def _one_full(specs: tuple) -> bool:
+    """Whether validated ``groups`` are exactly ``[FullAttention()]``: the plain manager."""
+    return len(specs) == 1 and type(specs[0]) is FullAttention
+
+
+def _group_zero(group: Any) -> None:
+    """A plain manager's ``group`` argument: 0, its one group; ValueError otherwise."""
+    if as_int(group, "group") != 0:
+        raise ValueError(f"group must be 0 (this manager has one group), got {group!r}")
 
 
 def _known(seqs: dict, seq_id: Any) -> bool:

@@ -354,6 +354,10 @@ class KVStore:
         pairs = _as_index(list(copy_ops), "copy_ops")
         if pairs.size == 0:
             return 0
+        if pairs.ndim == 2 and pairs.shape[1] == 3:  # CopyOp(src, dst, group): this store is one group
+            if pairs[:, 2].any():
+                raise ValueError("copy_ops name a group other than 0, and this store holds one group's layers")
+            pairs = pairs[:, :2]
         if pairs.ndim != 2 or pairs.shape[1] != 2:
             raise ValueError(f"copy_ops must be (src, dst) pairs, got shape {pairs.shape}")
         _check_range(pairs, self.num_blocks, "copy_ops block ids")

@@ -46,13 +46,15 @@ class CopyOp(NamedTuple):
     """One block copy the engine must run before the step's KV writes: ``dst[:] = src[:]``.
 
     ``src`` and ``dst`` are physical block ids (not slots): copy all ``block_size`` slots of
-    every layer's keys and values. Queued by copy-on-write; a named tuple so that a list of them
+    every layer's keys and values (of group ``group``'s layers, for a manager built with
+    ``groups=[...]``; 0 otherwise, so ``CopyOp(3, 5) == CopyOp(3, 5, group=0)``). Queued by copy-on-write; a named tuple so that a list of them
     converts straight to an ``[n, 2]`` int array for one batched copy kernel (the list that
     ``take_copies`` returns is safe to run that way).
     """
 
     src: int  # physical block id read
     dst: int  # physical block id written
+    group: int = 0  # the attention group whose layers the copy moves (a grouped manager)
 
 
 TO_HOST = "to_host"
@@ -207,6 +209,11 @@ class BlockStored(NamedTuple):
     medium: str = "GPU"  # where the blocks now live: "GPU" (the device) or "CPU" (the host tier)
     lora_name: str | None = None
     extra_keys: tuple | None = None
+    # A grouped manager's (contract v3): the group, its spec's kind ("full_attention",
+    # "sliding_window", "chunked_local_attention") and its window (None unless sliding).
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(NamedTuple):
@@ -219,6 +226,7 @@ class BlockRemoved(NamedTuple):
 
     block_hashes: tuple
     medium: str = "GPU"
+    group_idx: int | None = None  # the group the blocks belonged to (a grouped manager)
 
 
 class AllBlocksCleared(NamedTuple):

@@ -21,6 +21,7 @@ from collections import deque
 import numpy as np
 
 from ..hashing import BlockHasher, token_bytes
+from ..kv_specs import FullAttention, SlidingWindow
 from ..manager import KVCacheManager
 from ..types import OutOfBlocks
 from .harness import Timing, measure, time_call_ns
@@ -618,6 +619,71 @@ def _bench_calibration(quick: bool) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
+# hybrid models (contract v3): a two-group manager beside the one-group one, in the same run
+
+GPT_OSS_GROUPS = (FullAttention(), SlidingWindow(window=128))  # gpt-oss's pattern
+
+
+def _bench_groups(quick: bool) -> list[dict]:
+    """A decode step of 256 sequences and the admission of a 1,000-token prompt (nothing cached,
+    freed after each sample), on the one-group manager and on ``[FullAttention(),
+    SlidingWindow(128)]``, timed sample by sample in alternation (as the lookup ratio is) so that
+    the ratio is not the machine's drift. The two-group decode also releases the window's blocks
+    (one block a sequence every 16 steps) and publishes each filled block in both groups; the
+    admission takes 63 blocks per group (its step reads every position) and publishes both."""
+    rng = np.random.default_rng(SEED + 11)
+    repeat = 60 if quick else 1000
+    warmup = 10 if quick else 50
+    n = 256
+    lens = [int(L) for L in rng.integers(200, 2001, size=n)]
+    prompts = [_tokens(rng, L) for L in lens]
+    ids = [f"s{i}" for i in range(n)]
+    steps = repeat + warmup
+    need = sum(-(-(L + steps) // BLOCK_SIZE) for L in lens)
+    managers = []
+    for groups in (None, list(GPT_OSS_GROUPS)):
+        m = KVCacheManager(num_blocks=2 * need + 1024, block_size=BLOCK_SIZE, groups=groups)
+        for sid, p in zip(ids, prompts):
+            m.add_sequence(sid, p)
+        m.take_events()
+        managers.append(m)
+    step_tokens = [_tokens(rng, n) for _ in range(steps)]
+    times: list[list[int]] = [[], []]
+    for i, toks in enumerate(step_tokens):
+        for k, m in enumerate(managers):
+            t, _ = time_call_ns(m.append_batch, ids, toks)
+            m.take_events()
+            if i >= warmup:
+                times[k].append(t)
+    one, two = (Timing(np.array(t, dtype=np.int64), 1) for t in times)
+
+    adm_prompts = [_tokens(rng, 1000) for _ in range(repeat + warmup)]
+    admit = [KVCacheManager(num_blocks=200_000, block_size=BLOCK_SIZE, groups=g)
+             for g in (None, list(GPT_OSS_GROUPS))]
+    atimes: list[list[int]] = [[], []]
+    for i, p in enumerate(adm_prompts):
+        for k, m in enumerate(admit):
+            t, _ = time_call_ns(m.add_sequence, "r", p)
+            m.free("r")
+            m.take_events()
+            if i >= warmup:
+                atimes[k].append(t)
+    aone, atwo = (Timing(np.array(t, dtype=np.int64), 1) for t in atimes)
+    return [
+        _row("append_batch, 256 seqs, one group", one.median_us, "µs", 50.0, one.spread()),
+        _row("append_batch, 256 seqs, [Full, Sliding(128)]", two.median_us, "µs", None, two.spread()),
+        _row("two groups / one group, decode step", two.median_us / one.median_us, "ratio", 2.0,
+             "issue 19 target <= 2; same sequences and tokens, timed in alternation"),
+        _row("admission, 1,000-token prompt, one group", aone.median_us, "µs", None,
+             f"nothing cached; {aone.spread()}"),
+        _row("admission, 1,000-token prompt, [Full, Sliding(128)]", atwo.median_us, "µs", None,
+             f"63 blocks a group; {atwo.spread()}"),
+        _row("two groups / one group, admission", atwo.median_us / aone.median_us, "ratio", 2.0,
+             "issue 19 target <= 2; one sha256 chain serves both groups"),
+    ]
+
+
+# --------------------------------------------------------------------------------------------
 
 
 def rows(quick: bool = False) -> list[dict]:
@@ -633,5 +699,6 @@ def rows(quick: bool = False) -> list[dict]:
     out += _bench_lookup(quick)
     out.append(_bench_builtin_key(quick))
     out += _bench_host_tier(quick)
+    out += _bench_groups(quick)
     return out
 

@@ -344,6 +344,9 @@ def _stored_to_wire(ev: Any, roots: Any, w: SimpleNamespace, relayed: bool = Fal
         ev.medium if relayed else _medium(ev),
         lora_name,
         extra_keys=_extra_keys(getattr(ev, "extra_keys", None), len(hashes)),
+        group_idx=getattr(ev, "group_idx", None),
+        kv_cache_spec_kind=getattr(ev, "kv_cache_spec_kind", None),
+        kv_cache_spec_sliding_window=getattr(ev, "kv_cache_spec_sliding_window", None),
     )
 
 
@@ -351,7 +354,7 @@ def _to_wire(ev: Any, roots: Any, w: SimpleNamespace):
     if isinstance(ev, BlockStored):
         return _stored_to_wire(ev, roots, w)
     if isinstance(ev, BlockRemoved):
-        return w.BlockRemoved(_u64_list(ev.block_hashes), _medium(ev))
+        return w.BlockRemoved(_u64_list(ev.block_hashes), _medium(ev), getattr(ev, "group_idx", None))
     if isinstance(ev, AllBlocksCleared):
         return w.AllBlocksCleared()
     if isinstance(ev, w.BlockStored):  # a decoded event, relayed unchanged but for u64 hashes

@@ -338,6 +338,12 @@ class PrefixAwareRouter(Router):
 
     ``stats``: ``guard`` (the load guard chose), ``affinity`` (the longest match chose),
     ``below_threshold`` (the longest match covered at most ``cache_threshold``: least loaded).
+
+    Hybrid replicas (contract v3) send every group's events with ``group_idx``: the index keys on
+    (group, hash), so a block a sliding-window group released does not hide the same hash held by
+    the full-attention group. ``groups`` (the replicas' attention specs) makes a match the
+    manager's hit rule: the longest prefix for which every group holds the blocks its spec needs
+    (``hit_blocks``). Without it a match is group 0's leading run (a uniform replica's rule).
     """
 
     name = "precise"
@@ -345,9 +351,10 @@ class PrefixAwareRouter(Router):
 
     def __init__(self, block_size: int = 16, hash_algo: str = "sha256",
                  balance_abs: int = SGLANG_BALANCE_ABS, balance_rel: float = SGLANG_BALANCE_REL,
-                 cache_threshold: float = SGLANG_CACHE_THRESHOLD) -> None:
+                 cache_threshold: float = SGLANG_CACHE_THRESHOLD, groups=None) -> None:
         super().__init__()
         from ..hashing import BlockHasher
+        from ..kv_specs import check_groups
 
         block_size = int_at_least("block_size", block_size, 1, expected="a positive int")
         balance_abs = int_at_least("balance_abs", balance_abs, 0)
@@ -360,11 +367,22 @@ class PrefixAwareRouter(Router):
         self.balance_abs, self.balance_rel = balance_abs, balance_rel
         self._hasher = BlockHasher(hash_algo)
         self._root = self._hasher.root(None)
-        self.held: list[set] = []  # per replica: the block hashes its events say it holds
+        self.held: list[set] = []  # per replica: the block hashes its events say group 0 holds
+        self.held_groups: list[dict] = []  # per replica: group >= 1 -> the hashes it holds
+        self.groups = None if groups is None else check_groups(groups)
 
     def bind(self, names: Sequence[str]) -> None:
         super().bind(names)
         self.held = [set() for _ in self.names]
+        self.held_groups = [{} for _ in self.names]
+
+    def _group_set(self, replica: int, group) -> set:
+        """The index of ``replica``'s group ``group`` (None, a uniform replica's events: 0)."""
+        if not group:
+            return self.held[replica]
+        if isinstance(group, bool) or not isinstance(group, int) or group < 0:
+            raise ValueError(f"group_idx must be None or an int >= 0, got {group!r}")
+        return self.held_groups[replica].setdefault(group, set())
 
     # ---- the index, from the wire
 
@@ -385,20 +403,20 @@ class PrefixAwareRouter(Router):
         from ..events import MEDIUM_GPU, WireBlockRemoved, WireBlockStored, decode_vllm
 
         _, events, _ = decode_vllm(payload)
-        held = self.held[replica]
         for ev in events:
             kind = type(ev)
             if kind is not WireBlockStored and kind is not WireBlockRemoved:  # AllBlocksCleared
-                held.clear()
+                self.held[replica].clear()
+                self.held_groups[replica].clear()
             elif ev.medium not in (None, MEDIUM_GPU):
                 continue
             elif kind is WireBlockStored:
                 if ev.block_size != self.block_size:
                     raise ValueError(f"replica {self.names[replica]} stores blocks of {ev.block_size} tokens; "
                                      f"this router hashes blocks of {self.block_size}")
-                held.update(ev.block_hashes)
+                self._group_set(replica, ev.group_idx).update(ev.block_hashes)
             else:
-                held.difference_update(ev.block_hashes)
+                self._group_set(replica, ev.group_idx).difference_update(ev.block_hashes)
 
     def _index_objects(self, replica: int, events) -> None:
         """:meth:`on_events` for the manager's event objects (``pagedkv.types``)."""
@@ -407,10 +425,10 @@ class PrefixAwareRouter(Router):
 
         if isinstance(events, (BlockStored, BlockRemoved, AllBlocksCleared)):
             raise ValueError(f"events must be a list of events, got a single {type(events).__name__}")
-        held = self.held[replica]
         for ev in events:
             if isinstance(ev, AllBlocksCleared):
-                held.clear()
+                self.held[replica].clear()
+                self.held_groups[replica].clear()
                 continue
             if not isinstance(ev, (BlockStored, BlockRemoved)):
                 raise ValueError(f"not a KV event (BlockStored, BlockRemoved, AllBlocksCleared): "
@@ -421,13 +439,13 @@ class PrefixAwareRouter(Router):
                 if ev.block_size != self.block_size:
                     raise ValueError(f"replica {self.names[replica]} stores blocks of {ev.block_size} tokens; "
                                      f"this router hashes blocks of {self.block_size}")
-                held.update(hash_to_u64(h) for h in ev.block_hashes)
+                self._group_set(replica, ev.group_idx).update(hash_to_u64(h) for h in ev.block_hashes)
             else:
-                held.difference_update(hash_to_u64(h) for h in ev.block_hashes)
+                self._group_set(replica, ev.group_idx).difference_update(hash_to_u64(h) for h in ev.block_hashes)
 
-    def blocks_held(self, replica: int) -> frozenset:
-        """The 64-bit hashes of the blocks the index says ``replica`` holds."""
-        return frozenset(self.held[replica])
+    def blocks_held(self, replica: int, group: int = 0) -> frozenset:
+        """The 64-bit hashes of the blocks the index says ``replica``'s group ``group`` holds."""
+        return frozenset(self.held[replica] if not group else self.held_groups[replica].get(group, ()))
 
     # ---- lookups
 
@@ -437,6 +455,8 @@ class PrefixAwareRouter(Router):
         from ..events import hash_to_u64
 
         tokens = prompt_array(request) if isinstance(request, Request) else np.asarray(request)
+        if self.groups is not None:
+            return self._match_hybrid(tokens)
         held = self.held
         match = [0] * len(held)
         bs = self.block_size
@@ -460,6 +480,35 @@ class PrefixAwareRouter(Router):
             chunk *= 2  # a long match costs at most twice its own hashing
         for r in alive:
             match[r] = i
+        return match
+
+    def _match_hybrid(self, tokens: np.ndarray) -> list[int]:
+        """``match_blocks`` under the hit rule of contract v3: per replica the longest k (in
+        blocks) such that every group holds, under its index, the blocks ``hit_blocks(k *
+        block_size)`` names (a window only its last ones), as the grouped manager's ``lookup``."""
+        from ..events import hash_to_u64
+        from ..kv_specs import FullAttention
+
+        bs = self.block_size
+        usable = (len(tokens) - 1) // bs
+        data = tokens.astype("<u4").tobytes()
+        u = [hash_to_u64(h) for h in self._hasher.chain(self._root, data[: usable * bs * 4], bs * 4, usable)]
+        match = []
+        for r in range(len(self.held)):
+            sets = [self.held[r] if not g else self.held_groups[r].get(g, set()) for g in range(len(self.groups))]
+            k = usable
+            for g, spec in enumerate(self.groups):
+                if type(spec) is FullAttention:
+                    k = next((i for i in range(k) if u[i] not in sets[g]), k)
+            ok = False
+            while not ok:
+                ok = True
+                for g, spec in enumerate(self.groups):
+                    miss = next((i for i in reversed(spec.hit_blocks(k * bs, bs)) if u[i] not in sets[g]), None)
+                    if miss is not None:
+                        k, ok = miss, False
+                        break
+            match.append(k)
         return match
 
     def imbalanced(self, loads: Sequence[int]) -> bool:
