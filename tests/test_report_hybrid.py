@@ -47,7 +47,7 @@ def test_section_is_registered_and_whole(quick_section):
     assert SECTIONS["hybrid"] == "hybrid"
     sec = quick_section
     assert sec.key == "hybrid"
-    assert len(sec.tables) == 3  # memory, and one page-layout table per model; the hook adds none yet
+    assert len(sec.tables) == 4  # memory, one page-layout table per model, the grouped serving run
     for t in sec.tables:
         assert t.rows
         for row in t.rows:
@@ -71,8 +71,9 @@ def test_layout_replay_says_one_pool_beats_every_split(quick_section):
     assert gemma["equal pages, 2 layers/page"]["padding_share"] == 0
 
 
-def test_the_serving_hook_adds_nothing_until_the_grouped_manager_lands():
-    assert hybrid.grouped_serving_tables(ReportOptions(quick=True)) == []
+def test_the_serving_hook_adds_the_grouped_serving_table(quick_section):
+    titles = [t.title for t in quick_section.tables]
+    assert sum(title.startswith("Serving gpt-oss-20b") for title in titles) == 1
 
 
 def test_section_refuses_bad_options():

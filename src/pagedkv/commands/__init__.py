@@ -35,6 +35,7 @@ __all__ = [
     "check_data_dir",
     "check_model",
     "kv_memory",
+    "grouped_kv_memory",
     "MAX_BLOCKS",
     "one_line",
     "OutputError",
@@ -241,11 +242,13 @@ def check_data_dir(flag: str, path: Path | None) -> None:
                          "shipped with pagedkv)")
 
 
-def check_model(flag: str, name: str):
+def check_model(flag: str, name: str, *, grouped: bool = False):
     """The built-in model ``name`` (a ``ModelSpec``), or a :class:`UsageError` naming ``flag``.
 
-    Hybrid models are refused: the serving runs that take ``--model`` size every layer for the
-    whole context, which overstates a hybrid model's KV by half or more (``pagedkv size``)."""
+    A hybrid model (sliding-window or chunked layers) is refused unless the command serves it
+    grouped (``grouped=True``: ``simulate``, whose paged allocator keeps a table per attention
+    group); a command that would size every layer for the whole context would overstate its KV
+    by half or more (``pagedkv size``)."""
     from ..sim.sizing import builtin_models, get_model
 
     try:
@@ -253,53 +256,97 @@ def check_model(flag: str, name: str):
     except ValueError:
         raise UsageError(f"{flag} {name!r} is not a built-in model; choose from "
                          f"{', '.join(builtin_models())} (pagedkv size --list)") from None
-    if spec.is_hybrid:  # the simulator's allocators keep every layer's K/V for the whole context
+    if spec.is_hybrid and not grouped:
         raise UsageError(f"{flag} {spec.name} is a hybrid model (sliding-window or chunked layers), which "
-                         f"these serving runs would size as uniform; pagedkv size {spec.name} shows "
-                         "its grouped KV")
+                         f"this command would size as uniform; pagedkv simulate --model {spec.name} serves it "
+                         f"grouped, pagedkv size {spec.name} shows its grouped KV")
     return spec
 
 
-def kv_memory(args, per: str = ""):
+def _weights(args, spec) -> int:
+    """The weight bytes of one GPU: ``--weights-gib`` where the command has it and it is given,
+    else sizing's estimate; a :class:`UsageError` when neither exists (mixture-of-experts, MLA)."""
+    from ..sim import sizing
+
+    given = getattr(args, "weights_gib", None)
+    if given is not None:
+        return int(given * sizing.GIB)
+    weights = sizing.estimate_weight_bytes(spec)
+    if weights is None:
+        hint = "; give --weights-gib" if hasattr(args, "weights_gib") else "; choose a dense model"
+        raise UsageError(f"--model {spec.name}: cannot estimate the weights of a mixture-of-experts "
+                         f"or MLA model{hint}")
+    return weights
+
+
+def _kv_budget(args, spec, weights: int, size) -> tuple[int, str]:
+    """(KV budget in bytes, the flag that set it): ``--kv-gib``, or what the weights leave of
+    ``--gpu-mem-gib x --util``."""
+    from ..sim import sizing
+
+    if args.kv_gib is not None:
+        return int(args.kv_gib * sizing.GIB), f"--kv-gib {args.kv_gib:g}"
+    if args.gpu_mem_gib * args.util - weights / sizing.GIB <= 0:
+        raise UsageError(f"--gpu-mem-gib {args.gpu_mem_gib:g} x --util {args.util:g} leaves nothing "
+                         f"for KV after {spec.name}'s {weights / sizing.GIB:.2f} GiB of weights")
+    return (sizing.fit_blocks(size, gpu_mem_gib=args.gpu_mem_gib, util=args.util,
+                              weights_gib=weights / sizing.GIB).kv_budget_bytes,
+            f"--gpu-mem-gib {args.gpu_mem_gib:g}")
+
+
+def _check_blocks(flag: str, num_blocks: int, block_bytes: int, model: str, block_size: int, per: str) -> None:
+    if num_blocks < 1:
+        raise UsageError(f"{flag} leaves no room for one block ({block_bytes / 2**20:g} MiB of "
+                         f"{model} KV at block size {block_size})")
+    limit = min(MAX_BLOCKS, MAX_SLOTS // block_size)
+    if num_blocks > limit:
+        gib = limit * block_bytes / 2**30
+        raise UsageError(f"{flag} makes {num_blocks:,} blocks{per}; the simulator holds at most {limit:,} "
+                         f"({gib:,.0f} GiB of {model} KV at block size {block_size}): "
+                         "give a smaller size")
+
+
+def kv_memory(args, per: str = "", *, grouped: bool = False):
     """``(num_blocks, cost model)`` of one replica for the ``--model``, the GPU flags and
     ``--block-size`` that ``simulate`` and ``fleet`` share: the KV memory is ``--kv-gib``, or what
     the weights leave of ``--gpu-mem-gib x --util``; the cost model prices steps on that GPU.
+    ``num_blocks`` are uniform blocks (every layer's K/V); with ``grouped=True`` a hybrid model
+    is accepted (:func:`grouped_kv_memory` gives its grouped blocks).
 
     Refused with a :class:`UsageError` naming the flag: a model whose weights cannot be estimated
-    (mixture-of-experts, MLA), weights that leave nothing for KV, a memory without room for one
-    block, or more blocks than one simulated replica holds (:data:`MAX_BLOCKS`, and slot ids
-    must fit int32). ``per`` qualifies the block count in the message (``" per replica"``).
-    Worked example: Llama-3.1-8B (14.96 GiB of weights) on 80 GiB at 0.9 leaves 72 - 14.96 =
-    57.04 GiB of KV: 29,206 blocks of 16 tokens at 2 MiB each.
+    (mixture-of-experts, MLA) unless ``--weights-gib`` gives them, weights that leave nothing
+    for KV, a memory without room for one block, or more blocks than one simulated replica holds
+    (:data:`MAX_BLOCKS`, and slot ids must fit int32). ``per`` qualifies the block count in the
+    message (``" per replica"``). Worked example: Llama-3.1-8B (14.96 GiB of weights) on 80 GiB
+    at 0.9 leaves 72 - 14.96 = 57.04 GiB of KV: 29,206 blocks of 16 tokens at 2 MiB each.
     """
     from ..sim import sizing
     from ..sim.costmodel import CostModel
 
-    spec = check_model("--model", args.model)
-    weights = sizing.estimate_weight_bytes(spec)
-    if weights is None:
-        raise UsageError(f"--model {spec.name}: cannot estimate the weights of a mixture-of-experts "
-                         "or MLA model; choose a dense model")
+    spec = check_model("--model", args.model, grouped=grouped)
+    weights = _weights(args, spec)
     size = sizing.kv_size(spec, block_size=args.block_size)
-    if args.kv_gib is not None:
-        cap = sizing.fit_blocks(size, kv_budget_gib=args.kv_gib)
-    else:
-        if args.gpu_mem_gib * args.util - weights / sizing.GIB <= 0:
-            raise UsageError(f"--gpu-mem-gib {args.gpu_mem_gib:g} x --util {args.util:g} leaves nothing "
-                             f"for KV after {spec.name}'s {weights / sizing.GIB:.2f} GiB of weights")
-        cap = sizing.fit_blocks(size, gpu_mem_gib=args.gpu_mem_gib, util=args.util,
-                                weights_gib=weights / sizing.GIB)
-    flag = f"--kv-gib {args.kv_gib:g}" if args.kv_gib is not None else f"--gpu-mem-gib {args.gpu_mem_gib:g}"
-    if cap.num_blocks < 1:
-        raise UsageError(f"{flag} leaves no room for one block ({size.bytes_per_block / 2**20:g} MiB of "
-                         f"{size.model} KV at block size {args.block_size})")
-    limit = min(MAX_BLOCKS, MAX_SLOTS // args.block_size)
-    if cap.num_blocks > limit:
-        gib = limit * size.bytes_per_block / sizing.GIB
-        raise UsageError(f"{flag} makes {cap.num_blocks:,} blocks{per}; the simulator holds at most {limit:,} "
-                         f"({gib:,.0f} GiB of {size.model} KV at block size {args.block_size}): "
-                         "give a smaller size")
+    budget, flag = _kv_budget(args, spec, weights, size)
+    num_blocks = budget // size.bytes_per_block
+    _check_blocks(flag, num_blocks, size.bytes_per_block, size.model, args.block_size, per)
     cost = CostModel(kv_bytes_per_token=size.bytes_per_token, weight_bytes=weights,
                      bandwidth=args.bandwidth_tbs * 1e12, peak_flops=args.tflops * 1e12,
                      overhead_s=args.overhead_ms / 1e3, model=spec.name)
-    return cap.num_blocks, cost
+    return num_blocks, cost
+
+
+def grouped_kv_memory(args, per: str = ""):
+    """The ``--model``'s KV budget (as :func:`kv_memory` computes it) held by attention group: a
+    :class:`~pagedkv.sim.hybrid_serving.HybridMemory` whose grouped blocks are checked against
+    the simulator's limit as the uniform ones are. gpt-oss-20b, ``--kv-gib 1``: 1,365 uniform
+    blocks of 16 tokens, 2,730 grouped."""
+    from ..sim import sizing
+    from ..sim.hybrid_serving import hybrid_memory
+
+    spec = check_model("--model", args.model, grouped=True)
+    weights = _weights(args, spec)
+    size = sizing.kv_size(spec, block_size=args.block_size)
+    budget, flag = _kv_budget(args, spec, weights, size)
+    memory = hybrid_memory(spec, budget, block_size=args.block_size)
+    _check_blocks(flag, memory.grouped_blocks, memory.grouped_block_bytes, spec.name, args.block_size, per)
+    return memory

@@ -28,7 +28,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from ..sim.baselines import ALLOCATORS, make_allocator
+from ..sim.baselines import ALLOCATORS, POLICY_NAMES, make_allocator
+from ..sim.hybrid_serving import GROUPED_NAME, UNIFORM_NAME, HybridMemory, hybrid_allocators
+from ..sim.sizing import MAX_MEMORY_GIB
 from ..sim.costmodel import A100_40GB_HBM_BYTES_PER_S, A100_BF16_FLOPS, CostModel
 from ..sim.metrics import compute
 from ..sim.scheduler import GUARD_PRESETS, simulate
@@ -42,6 +44,7 @@ from . import (
     check_int,
     check_number,
     emit,
+    grouped_kv_memory,
     kv_memory,
     reports_errors,
 )
@@ -80,6 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-mem-gib", type=float, default=40.0, help="GPU memory (default 40, an A100-40GB)")
     p.add_argument("--util", type=float, default=0.9, help="memory utilisation (default 0.9)")
     p.add_argument("--kv-gib", type=float, default=None, help="KV budget in GiB instead of GPU memory")
+    p.add_argument("--weights-gib", type=float, default=None,
+                   help="weights per GPU in GiB (default: estimated from the model's config; needed for a "
+                        "mixture-of-experts model such as gpt-oss)")
     p.add_argument("--bandwidth-tbs", type=float, default=A100_40GB_HBM_BYTES_PER_S / 1e12,
                    help="HBM bandwidth in TB/s (default 1.555, A100-40GB)")
     p.add_argument("--tflops", type=float, default=A100_BF16_FLOPS / 1e12,
@@ -112,6 +118,8 @@ def _check(args: argparse.Namespace) -> None:
                              f"got {args.rate:g}: below that no two requests share the server and "
                              "requests/s rounds to 0")
     check_gpu_flags(args)
+    if args.weights_gib is not None:
+        check_number("--weights-gib", args.weights_gib, lo_open=False, hi=MAX_MEMORY_GIB, why=" (1 PiB)")
     check_data_dir("--data-dir", args.data_dir)
 
 
@@ -180,8 +188,26 @@ def _requests(args: argparse.Namespace) -> tuple[list, str, list[str]]:
     return reqs, what, notes
 
 
+def _allocators(args: argparse.Namespace, num_blocks: int, hybrid: HybridMemory | None) -> list:
+    """The allocators ``--allocator`` names. For a hybrid model ``paged`` is the grouped paged
+    cache; ``all`` adds the paged cache held uniformly (every layer keeps every block) beside it."""
+    names = ALLOCATORS if args.allocator == "all" else (args.allocator,)
+    out = []
+    for name in names:
+        if name != "paged":
+            out.append(make_allocator(name, num_blocks, args.block_size, args.max_len))
+            continue
+        kw = {"enable_prefix_caching": not args.no_prefix_caching, "beam_seed": args.seed}
+        if hybrid is None:
+            out.append(make_allocator(name, num_blocks, args.block_size, args.max_len, **kw))
+            continue
+        uniform, grouped = hybrid_allocators(hybrid, **kw)
+        out += [uniform, grouped] if args.allocator == "all" else [grouped]
+    return out
+
+
 def _table(args: argparse.Namespace, num_blocks: int, cost: CostModel, reqs: list, what: str,
-           workload_notes: list[str]) -> Table:
+           workload_notes: list[str], hybrid: HybridMemory | None = None) -> Table:
     t = Table(
         f"{args.workload} ({what}): {len(reqs):,} requests on {num_blocks * args.block_size:,} KV slots "
         f"({cost.model})",
@@ -191,15 +217,12 @@ def _table(args: argparse.Namespace, num_blocks: int, cost: CostModel, reqs: lis
         plot={"name": "simulate_breakdown", "x": "allocator", "y": ["token states %"], "kind": "bar",
               "ylabel": "% of KV memory"},
     )
-    names = ALLOCATORS if args.allocator == "all" else (args.allocator,)
     metrics = {}
-    for name in names:
-        kw = {"enable_prefix_caching": not args.no_prefix_caching, "beam_seed": args.seed} if name == "paged" else {}
-        alloc = make_allocator(name, num_blocks, args.block_size, args.max_len, **kw)
+    for alloc in _allocators(args, num_blocks, hybrid):
         res = simulate(reqs, alloc, cost, max_len=args.max_len, max_num_seqs=args.max_num_seqs,
                        progress=args.progress, guards=GUARD_PRESETS[args.guards])
         metrics[alloc.name] = (res, compute(res))
-    paged = metrics.get("paged")
+    paged = metrics.get("paged" if hybrid is None else GROUPED_NAME)
     for name, (res, m) in metrics.items():
         sh = {k: round(100 * v, 1) for k, v in m.shares.items()}
         gain = round(paged[1].throughput_rps / m.throughput_rps, 2) if paged and m.throughput_rps else None
@@ -210,13 +233,22 @@ def _table(args: argparse.Namespace, num_blocks: int, cost: CostModel, reqs: lis
         if res.dropped:
             t.notes.append(f"{name}: {res.dropped} requests could never fit and were dropped")
     if paged and len(metrics) > 1:
-        others = [(n, m) for n, (_, m) in metrics.items() if n != "paged"]
+        others = [(n, m) for n, (_, m) in metrics.items() if metrics[n] is not paged]
         t.notes.insert(0, "What paging buys: " + ", ".join(
             f"{paged[1].throughput_rps / m.throughput_rps:.2f}x the requests/s of {n}" for n, m in others
             if m.throughput_rps) + f" (token states {100 * paged[1].token_share:.1f}% of KV memory vs "
             + ", ".join(f"{100 * m.token_share:.1f}% for {n}" for n, m in others) + ").")
     t.notes += workload_notes
-    if any(n != "paged" for n in metrics):
+    if hybrid is not None:
+        t.notes.append(
+            f"{hybrid.model} is a hybrid model ({', '.join(repr(g) for g in hybrid.groups)}): {GROUPED_NAME} "
+            f"keeps one table per KV cache group over {hybrid.grouped_blocks:,} blocks of "
+            f"{hybrid.grouped_block_bytes / 2**10:g} KiB (one group's layers) and releases what a window no "
+            f"longer reads; {UNIFORM_NAME} and the reservations keep every layer's K/V for the whole context "
+            f"({hybrid.uniform_blocks:,} blocks of {hybrid.uniform_block_bytes / 2**10:g} KiB); the same "
+            f"{hybrid.budget_bytes / 2**30:.2f} GiB. The cost model prices every layer reading the whole "
+            "context for all of them")
+    if any(n in POLICY_NAMES.values() or "buddy" in n for n in metrics):
         t.notes.append("Reservations (vLLM paper 6.1): Max reserves --max-len, Pow2 the prompt + the output "
                        "rounded up to a power of two, Oracle the prompt + the true output, each placed by a "
                        "classic buddy allocator")
@@ -225,11 +257,18 @@ def _table(args: argparse.Namespace, num_blocks: int, cost: CostModel, reqs: lis
     return t
 
 
+def _is_hybrid(model: str) -> bool:
+    from ..sim.sizing import get_model
+
+    return get_model(model).is_hybrid
+
+
 @reports_errors("simulate")
 def run(args: argparse.Namespace) -> int:
     """Print the table; 0 on success, 2 with one line on stderr for bad input."""
     _check(args)
-    num_blocks, cost = kv_memory(args)
+    num_blocks, cost = kv_memory(args, grouped=True)
+    hybrid = grouped_kv_memory(args) if _is_hybrid(args.model) else None
     reqs, what, notes = _requests(args)
-    emit(_table(args, num_blocks, cost, reqs, what, notes).to_text())
+    emit(_table(args, num_blocks, cost, reqs, what, notes, hybrid).to_text())
     return 0

@@ -222,6 +222,14 @@ class KVAllocator(ABC):
         request ``swap_out`` took can come back: ValueError for any other."""
         raise ValueError(f"request {req_id} is not swapped out")
 
+    def prompt_blocks(self, num_tokens: int) -> int:
+        """Blocks admitting ``num_tokens`` of prompt takes at once: ``ceil(num_tokens /
+        block_size)``, or one per token for an allocator that places token slots; an allocator
+        with several block tables per sequence takes that many per table (40 tokens in blocks of
+        16: 3; with two attention groups, 6)."""
+        num_tokens = int_at_least("num_tokens", num_tokens, 0)
+        return -(-num_tokens // self.block_size)
+
     def take_transfer_seconds(self, compute_s: float = 0.0) -> float:
         """Drain this iteration's block transfers; the seconds the iteration waits for them
         beyond its ``compute_s`` of compute (0.0: nothing moves over a host link)."""
@@ -484,12 +492,13 @@ class ManagerAllocator(KVAllocator):
 
     def __init__(self, num_blocks: int, block_size: int, *, name: str, watermark: float,
                  enable_prefix_caching: bool = True, hash_algo: str = "sha256", enable_events: bool = False,
-                 host_blocks: int = 0, host_write_policy: str = "write-back") -> None:
+                 host_blocks: int = 0, host_write_policy: str = "write-back", groups=None) -> None:
         if not 0 <= watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
         self.m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
                                 hash_algo=hash_algo, enable_events=enable_events, host_blocks=host_blocks,
-                                host_write_policy=host_write_policy)
+                                host_write_policy=host_write_policy, groups=groups)
+        self.num_groups = self.m.num_groups
         self.name = name
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -517,12 +526,20 @@ class ManagerAllocator(KVAllocator):
         """The manager's usage snapshot (prefix hits, sharing, copy-on-write, forks)."""
         return self.m.usage()
 
+    def prompt_blocks(self, num_tokens: int) -> int:
+        """Blocks admitting ``num_tokens`` of prompt takes: a block per ``block_size`` positions in
+        every attention group. A grouped manager admits a whole prompt with every position in
+        every group (the prompt's queries read back into each window) and releases what a window
+        no longer reads at the sequence's next call, so admission needs the whole prompt once per
+        group. 40 tokens in blocks of 16: 3 blocks; with gpt-oss's two groups, 6."""
+        return super().prompt_blocks(num_tokens) * self.num_groups
+
     def room_for(self, num_tokens: int, busy: bool) -> bool:
-        """The admission rule: ``num_tokens`` of prompt fit with ``watermark_blocks`` left free,
-        or nothing else runs (``busy`` False: a lone request is always tried, so that a prompt
-        larger than the watermark allows can still run alone). 40 tokens in blocks of 16 need 3."""
-        need = -(-num_tokens // self.block_size)
-        return not busy or self.m.num_free_blocks >= need + self.watermark_blocks
+        """The admission rule: ``num_tokens`` of prompt fit (:meth:`prompt_blocks`) with
+        ``watermark_blocks`` left free, or nothing else runs (``busy`` False: a lone request is
+        always tried, so that a prompt larger than the watermark allows can still run alone).
+        40 tokens in blocks of 16 need 3 (6 with two groups)."""
+        return not busy or self.m.num_free_blocks >= self.prompt_blocks(num_tokens) + self.watermark_blocks
 
     def add_tokens(self, seq_id: str, tokens) -> bool:
         """Add a sequence with ``tokens`` (a prompt, plus what it generated before a preemption),
@@ -558,12 +575,17 @@ class ManagerAllocator(KVAllocator):
 
         A block is freed when every reference to it is the request's own: its refcount equals the
         number of the request's block tables that hold it (1 for a single sequence). A fork that
-        has not written yet shares all its blocks with its parent: 0.
+        has not written yet shares all its blocks with its parent: 0. With attention groups every
+        group's table counts, less the entries a window released (they read -1).
         """
         m = self.m
         held: Counter = Counter()
         for sid in self.seq_ids(req_id):
-            held.update(m.block_table(sid))
+            if self.num_groups == 1:
+                held.update(m.block_table(sid))
+            else:
+                for g in range(self.num_groups):
+                    held.update(b for b in m.block_table(sid, group=g) if b >= 0)
         return sum(1 for block, refs in held.items() if m.refcount(block) == refs)
 
     def breakdown(self, blocked: Request | None = None) -> Breakdown:
@@ -613,9 +635,10 @@ class PagedAllocator(ManagerAllocator):
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 hash_algo: str = "sha256", watermark: float = 0.01, beam_seed: int = 0) -> None:
-        super().__init__(num_blocks, block_size, name="paged", watermark=watermark,
-                         enable_prefix_caching=enable_prefix_caching, hash_algo=hash_algo)
+                 hash_algo: str = "sha256", watermark: float = 0.01, beam_seed: int = 0, *,
+                 groups=None, name: str = "paged") -> None:
+        super().__init__(num_blocks, block_size, name=name, watermark=watermark,
+                         enable_prefix_caching=enable_prefix_caching, hash_algo=hash_algo, groups=groups)
         self._start_requests(beam_seed)
 
     def _start_requests(self, beam_seed: int) -> None:

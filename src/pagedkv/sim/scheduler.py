@@ -118,7 +118,7 @@ def check_fits(requests: Iterable[Request], allocator: KVAllocator, max_len: int
         return
     longest = max(reqs, key=lambda r: r.total_len)
     bs = allocator.block_size
-    blocks = -(-longest.total_len // bs)
+    blocks = allocator.prompt_blocks(longest.total_len)  # readmitted whole after a preemption
     if blocks * bs > allocator.capacity:
         raise ValueError(
             f"request {longest.req_id} needs {longest.total_len:,} tokens ({blocks:,} blocks of {bs}) but "
@@ -224,7 +224,7 @@ class _Run:
         if not self.watermark_blocks:
             return True
         alloc = self.alloc
-        need = -(-(req.prompt_len + generated) // alloc.block_size)
+        need = alloc.prompt_blocks(req.prompt_len + generated)
         return alloc.num_free_blocks - need >= self.watermark_blocks
 
     # ---- leaving: finish, drop, preempt
