@@ -28,6 +28,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from .kv_specs import AttentionSpec, FullAttention
 from .types import TO_DEVICE, TO_HOST
 
 __all__ = ["KVStore", "dense_attention", "kv_bytes_per_block"]
@@ -461,30 +462,42 @@ class KVStore:
         v = self.kv[layer, 1][where].reshape(shape)[:num_tokens]
         return k, v
 
-    def gather_padded(self, layer: int, block_tables: Any, seq_lens: Any):
+    def gather_padded(self, layer: int, block_tables: Any, seq_lens: Any, first_blocks: Any = None):
         """K and V of a batch, padded to ``[batch, max(seq_lens), kv_heads, head_dim]``.
 
         ``block_tables`` is ``[batch, max_blocks]`` (``KVCacheManager.block_tables``, pad ``-1``);
         entries past a sequence's ``ceil(len / block_size)`` blocks are never read (their rows come
         back as block 0's data, which attention masks out).
+
+        ``first_blocks`` (one per sequence, default all 0) skips the blocks below it: row 0 of
+        sequence ``i`` is then position ``first_blocks[i] * block_size``, the rows are padded to
+        the longest remainder, and the skipped entries are never read, so they may be -1 (a
+        sliding-window group's released blocks). Example (block size 4, a table ``[-1, -1, 7,
+        9]``, 15 tokens, first block 2): rows 0 .. 6 are positions 8 .. 14, from blocks 7 and 9.
         """
         self._check_layer(layer)
-        tables, lens = self._check_tables(block_tables, seq_lens)
-        width = -(-int(lens.max(initial=0)) // self.block_size)
-        cols = tables[:, :width]
-        safe = np.where(np.arange(width)[None, :] < -(-lens[:, None] // self.block_size), cols, 0)
+        tables, lens = self._check_tables(block_tables, seq_lens, first_blocks)
+        need = -(-lens // self.block_size)
+        lo = np.zeros_like(lens) if first_blocks is None else _as_index(first_blocks, "first_blocks")
+        width = int((need - lo).max(initial=0))
+        col = lo[:, None] + np.arange(width)[None, :]
+        inside = col < need[:, None]
+        safe = np.where(inside, np.take_along_axis(tables, np.minimum(col, max(tables.shape[1] - 1, 0)), 1), 0)
         where = self._ops.index(safe)
         shape = (len(lens), width * self.block_size, self.num_kv_heads, self.head_dim)
-        max_len = int(lens.max(initial=0))
+        max_len = int((lens - lo * self.block_size).max(initial=0))
         k = self.kv[layer, 0][where].reshape(shape)[:, :max_len]
         v = self.kv[layer, 1][where].reshape(shape)[:, :max_len]
         return k, v
 
-    def check_batch(self, slots: Any, block_tables: Any, seq_lens: Any) -> None:
+    def check_batch(self, slots: Any, block_tables: Any, seq_lens: Any, query_lens: Any = None,
+                    spec: Any = None) -> None:
         """Raise ValueError unless a step's slots and block tables are valid for this store.
 
         A model calls this before its first write, so that a bad step fails before any layer's
-        K/V was changed (``write`` and ``paged_attention`` check again, per call).
+        K/V was changed (``write`` and ``paged_attention`` check again, per call). With an
+        attention ``spec`` (``pagedkv.kv_specs``) only the table entries that the step's queries
+        read are checked: those below the first block the earliest query reads may be -1.
         """
         idx = _as_index(slots, "slots")
         if idx.ndim != 1:
@@ -492,9 +505,29 @@ class KVStore:
         _check_range(idx, self.num_slots, "slots")
         if np.unique(idx).size != idx.size:
             raise ValueError("slots must be distinct within one step")
-        self._check_tables(block_tables, seq_lens)
+        lens = _as_index(seq_lens, "seq_lens")
+        first = None if spec is None else self.first_blocks(spec, lens, query_lens)
+        self._check_tables(block_tables, seq_lens, first)
 
-    def _check_tables(self, block_tables: Any, seq_lens: Any) -> tuple[np.ndarray, np.ndarray]:
+    def first_blocks(self, spec: Any, seq_lens: Any, query_lens: Any = None) -> np.ndarray | None:
+        """Per sequence, the first block that a step's earliest query reads under ``spec`` (an
+        attention spec of ``pagedkv.kv_specs``), or None when every query reads from position 0.
+
+        Sequence ``i``'s earliest query is position ``seq_lens[i] - query_lens[i]``. Example
+        (block size 4, ``SlidingWindow(7)``, a decode step at 21 tokens): the query at 20 reads
+        14 .. 20, so block 3 (positions 12 .. 15) is the first read and blocks 0 .. 2 may be -1.
+        """
+        lens = _as_index(seq_lens, "seq_lens").reshape(-1)
+        qlens = np.ones_like(lens) if query_lens is None else _as_index(query_lens, "query_lens").reshape(-1)
+        if not _windowed(spec):  # full attention: everything from position 0
+            return None
+        if qlens.shape != lens.shape:
+            raise ValueError(f"query_lens must have one entry per sequence, got {qlens.shape} vs {lens.shape}")
+        starts = np.maximum(lens - qlens, 0).tolist()
+        return np.array([spec.first_read(q) // self.block_size for q in starts], dtype=np.int64)
+
+    def _check_tables(self, block_tables: Any, seq_lens: Any,
+                      first_blocks: Any = None) -> tuple[np.ndarray, np.ndarray]:
         tables = _as_index(block_tables, "block_tables")
         lens = _as_index(seq_lens, "seq_lens")
         if tables.ndim != 2 or lens.ndim != 1 or tables.shape[0] != lens.shape[0]:
@@ -506,12 +539,24 @@ class KVStore:
         if lens.size and need.max() > tables.shape[1]:
             raise ValueError(f"a sequence of {lens.max()} tokens needs {need.max()} blocks, "
                              f"the tables have {tables.shape[1]} columns")
-        used = np.arange(tables.shape[1])[None, :] < need[:, None]
-        _check_range(tables[used], self.num_blocks, "block table entries")
+        cols = np.arange(tables.shape[1])[None, :]
+        used = cols < need[:, None]
+        if first_blocks is not None:
+            lo = _as_index(first_blocks, "first_blocks").reshape(-1)
+            if lo.shape != lens.shape or (lo.size and (lo.min() < 0 or (lo > need).any())):
+                raise ValueError(f"first_blocks must be one block index per sequence in [0, blocks "
+                                 f"needed], got {lo.tolist()}")
+            used &= cols >= lo[:, None]
+        read = tables[used]
+        if read.size and read.min() < 0:
+            row, col = (int(a[0]) for a in np.nonzero(used & (tables < 0)))
+            raise ValueError(f"block table entry {col} of sequence {row} is {int(tables[row, col])} "
+                             f"(released or padding), but this step's attention reads it")
+        _check_range(read, self.num_blocks, "block table entries")
         return tables, lens
 
     def paged_attention(self, layer: int, q: Any, block_tables: Any, seq_lens: Any,
-                        query_lens: Any = None, scale: float | None = None):
+                        query_lens: Any = None, scale: float | None = None, *, spec: Any = None):
         """Causal attention for a batch, reading K/V straight through the block tables.
 
         ``q`` is ``[sum(query_lens), num_heads, head_dim]``: sequence ``i``'s queries are its last
@@ -521,9 +566,29 @@ class KVStore:
         uncached tail). ``num_heads`` must be a multiple of ``kv_heads`` (grouped-query attention:
         head ``h`` reads KV head ``h // (num_heads // kv_heads)``). Returns ``[sum(query_lens),
         num_heads, head_dim]`` in the store's backend.
+
+        ``spec`` (``pagedkv.kv_specs``; default full attention) narrows what each query reads:
+        ``SlidingWindow(W)`` positions q-W+1 .. q, ``ChunkedLocalAttention(C)`` floor(q/C)*C .. q.
+        Only the blocks from the earliest query's first read on are gathered (see
+        :meth:`first_blocks`), so the entries below may be -1 (released) and a decode step costs
+        the window, not the context: ``SlidingWindow(128)`` at 4,096 tokens, block size 16, reads
+        9 blocks instead of 256.
         """
-        k, v = self.gather_padded(layer, block_tables, seq_lens)
-        return dense_attention(self._ops.asarray(q, self.kv), k, v, seq_lens, query_lens, scale)
+        lens = _as_index(seq_lens, "seq_lens")
+        first = self.first_blocks(spec, lens, query_lens)
+        k, v = self.gather_padded(layer, block_tables, lens, first)
+        offsets = None if first is None else first * self.block_size
+        return dense_attention(self._ops.asarray(q, self.kv), k, v, lens, query_lens, scale,
+                               spec=spec, key_offsets=offsets)
+
+
+def _windowed(spec: Any) -> bool:
+    """Whether an attention ``spec`` reads less than the whole prefix (None: full attention)."""
+    if spec is None or isinstance(spec, FullAttention):
+        return False
+    if not isinstance(spec, AttentionSpec):
+        raise ValueError(f"spec must be an attention spec of pagedkv.kv_specs or None, got {spec!r}")
+    return True
 
 
 def _query_layout(seq_lens: np.ndarray, query_lens: Any, num_q: int):
@@ -541,7 +606,7 @@ def _query_layout(seq_lens: np.ndarray, query_lens: Any, num_q: int):
 
 
 def dense_attention(q: Any, k: Any, v: Any, seq_lens: Any, query_lens: Any = None,
-                    scale: float | None = None):
+                    scale: float | None = None, *, spec: Any = None, key_offsets: Any = None):
     """Causal GQA attention over padded, contiguous K/V: the kernel paged attention reduces to.
 
     ``k``/``v`` are ``[batch, max_len, kv_heads, head_dim]`` (rows past ``seq_lens[i]`` ignored);
@@ -549,10 +614,15 @@ def dense_attention(q: Any, k: Any, v: Any, seq_lens: Any, query_lens: Any = Non
     ``head_dim ** -0.5`` (0.25 for head_dim 16). numpy or torch in, the same out; half precision is
     computed in float32. Softmax subtracts the row max, so a fully-visible row of equal scores gives
     exactly uniform weights.
+
+    ``spec`` (an attention spec of ``pagedkv.kv_specs``; None is full attention) masks keys below
+    ``spec.first_read(q)`` as well; ``key_offsets[i]`` (default 0) is the position of sequence
+    ``i``'s row 0 (a window gathered from its first block: ``seq_lens[i] - key_offsets[i]`` rows).
     """
     ops = _ops_for(k)
     q = ops.asarray(q, k)
-    lens = _check_attention_shapes(q, k, v, seq_lens)
+    offsets = None if key_offsets is None else _as_index(key_offsets, "key_offsets").reshape(-1)
+    lens = _check_attention_shapes(q, k, v, seq_lens, offsets)
     qlens, seq, row = _query_layout(lens, query_lens, int(q.shape[0]))
     if q.shape[0] == 0:
         return q[:0]
@@ -570,7 +640,11 @@ def dense_attention(q: Any, k: Any, v: Any, seq_lens: Any, query_lens: Any = Non
     kt, vt = ops.permute(k, (0, 2, 1, 3)), ops.permute(v, (0, 2, 1, 3))  # [batch, kv_heads, len, dim]
     scores = ((qp @ ops.swap_last(kt)) * scale).reshape(batch, kv_heads, group, qmax, max_len)
     qpos = (lens - qlens)[:, None] + np.arange(qmax)[None, :]  # [batch, qmax]
-    keep = np.arange(max_len)[None, None, :] <= qpos[:, :, None]  # causal; implies key < seq_len
+    kpos = np.arange(max_len)[None, :] if offsets is None else offsets[:, None] + np.arange(max_len)
+    keep = kpos[:, None, :] <= qpos[:, :, None]  # causal; implies key < seq_len
+    if _windowed(spec):  # a window or chunk: a lower bound too
+        low = np.array([spec.first_read(p) for p in qpos.ravel().tolist()]).reshape(qpos.shape)
+        keep &= kpos[:, None, :] >= low[:, :, None]
     scores = ops.masked_fill(scores, ops.index(keep[:, None, None]), -np.inf)
     weights = ops.exp(scores - ops.amax(scores))
     weights = weights / ops.sum_last(weights)
@@ -580,7 +654,7 @@ def dense_attention(q: Any, k: Any, v: Any, seq_lens: Any, query_lens: Any = Non
     return out.astype(out_dtype) if ops.name == "numpy" else out.to(out_dtype)
 
 
-def _check_attention_shapes(q, k, v, seq_lens) -> np.ndarray:
+def _check_attention_shapes(q, k, v, seq_lens, offsets=None) -> np.ndarray:
     """Validate ``q [tokens, heads, dim]`` against padded ``k``/``v``; return ``seq_lens`` as int64."""
     lens = _as_index(seq_lens, "seq_lens")
     if q.ndim != 3 or k.ndim != 4 or tuple(k.shape) != tuple(v.shape):
@@ -590,8 +664,12 @@ def _check_attention_shapes(q, k, v, seq_lens) -> np.ndarray:
     if int(q.shape[2]) != dim or int(q.shape[1]) % kv_heads:
         raise ValueError(f"q {tuple(q.shape)} does not fit k {tuple(k.shape)}: same head_dim, "
                          "and heads a multiple of kv_heads")
-    if lens.shape != (batch,) or (lens.size and (lens.min() < 0 or lens.max() > max_len)):
-        raise ValueError(f"seq_lens must be {batch} lengths in [0, {max_len}], got {lens.tolist()}")
+    rows = lens if offsets is None or offsets.shape != lens.shape else lens - offsets
+    if offsets is not None and (offsets.shape != lens.shape or (offsets.size and offsets.min() < 0)):
+        raise ValueError(f"key_offsets must be {batch} positions >= 0, got {offsets.tolist()}")
+    if lens.shape != (batch,) or (lens.size and (rows.min() < 0 or rows.max() > max_len)):
+        raise ValueError(f"seq_lens must be {batch} lengths in [0, {max_len}] (after key_offsets), "
+                         f"got {lens.tolist()}")
     return lens
 
 
