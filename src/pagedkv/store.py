@@ -643,7 +643,8 @@ def dense_attention(q: Any, k: Any, v: Any, seq_lens: Any, query_lens: Any = Non
     kpos = np.arange(max_len)[None, :] if offsets is None else offsets[:, None] + np.arange(max_len)
     keep = kpos[:, None, :] <= qpos[:, :, None]  # causal; implies key < seq_len
     if _windowed(spec):  # a window or chunk: a lower bound too
-        low = np.array([spec.first_read(p) for p in qpos.ravel().tolist()]).reshape(qpos.shape)
+        last = np.minimum(qpos, (lens - 1)[:, None])  # padded query rows: keep them finite
+        low = np.array([spec.first_read(p) for p in last.ravel().tolist()]).reshape(qpos.shape)
         keep &= kpos[:, None, :] >= low[:, :, None]
     scores = ops.masked_fill(scores, ops.index(keep[:, None, None]), -np.inf)
     weights = ops.exp(scores - ops.amax(scores))
