@@ -234,7 +234,7 @@ def test_release_one_position_early_diverges(model):
     r = run(model, num_blocks=96, reuse_at_once=True, release_shift=1, stale_tables=True)
     toks, logits, _ = greedy(r, prompts, 20, chunk=5)
     errors = [dense_error(model, p, t, lg) for p, t, lg in zip(prompts, toks, logits)]
-    assert max(errors) > 0.1, errors  # measured: ~10 (print(errors))
+    assert max(errors) > 0.1, errors  # measured: ~4 in every prompt
     with pytest.raises(ValueError, match="released or padding"):
         greedy(run(model, release_shift=1), prompts, 20, chunk=5)
 
