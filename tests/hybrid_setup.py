@@ -173,7 +173,7 @@ class ToyGroups:
             row = self.tables[sid][g]
             if c % bs and n and self.ref[row[-1]] > 1:  # copy-on-write of a shared partial block
                 new = self._alloc()
-                self.copies.append((row[-1], new))
+                self.copies.append((row[-1], new, g))  # CopyOp's fields: src, dst, group
                 self._drop(row[-1])
                 row[-1] = new
             while len(row) * bs < c + n:
@@ -283,7 +283,7 @@ class Runner:
     def step(self):
         work = {s: w for s, w in self.work.items() if w[1] > w[0]}
         self.work = {}
-        self.store.copy_blocks([tuple(c)[:2] for c in self.alloc.take_copies()])
+        self.store.copy_blocks(self.alloc.take_copies())
         if not work:
             return {}
         sids = list(work)

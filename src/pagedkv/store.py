@@ -347,7 +347,8 @@ class KVStore:
         """Run copy-on-write copies (``dst[:] = src[:]``) for every layer, K and V; return bytes moved.
 
         ``copy_ops`` is what ``KVCacheManager.take_copies()`` returned (``CopyOp(src, dst)`` tuples;
-        any ``[n, 2]`` int array works). All layers move in one gather + scatter along the block
+        any ``[n, 2]`` int array works; a grouped manager's ``CopyOp(src, dst, group)`` too: this
+        store gives every block id every layer, so copying the whole block serves any group). All layers move in one gather + scatter along the block
         axis. Ops run in their given order (chained ops are split into successive vectorised runs,
         see :func:`_copy_waves`). Worked number: 3 copies in the test model with 16-token blocks
         move ``3 * 8,192 = 24,576`` bytes.
@@ -355,6 +356,8 @@ class KVStore:
         pairs = _as_index(list(copy_ops), "copy_ops")
         if pairs.size == 0:
             return 0
+        if pairs.ndim == 2 and pairs.shape[1] == 3:  # CopyOp(src, dst, group) of a grouped manager:
+            pairs = pairs[:, :2]  # every block holds every layer here, so any group's copy is whole
         if pairs.ndim != 2 or pairs.shape[1] != 2:
             raise ValueError(f"copy_ops must be (src, dst) pairs, got shape {pairs.shape}")
         _check_range(pairs, self.num_blocks, "copy_ops block ids")
