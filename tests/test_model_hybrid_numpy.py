@@ -192,6 +192,10 @@ def test_store_runs_a_grouped_managers_copy_ops(model):
     assert store.copy_blocks([(1, 5, 2), (3, 6, 0)]) == 2 * store.bytes_per_block
     np.testing.assert_array_equal(store.kv[:, :, 5], store.kv[:, :, 1])
     np.testing.assert_array_equal(store.kv[:, :, 6], store.kv[:, :, 3])
+    before = store.kv.copy()
+    with pytest.raises(ValueError, match="groups"):  # the model has 3 groups: 0 .. 2
+        store.copy_blocks([(1, 4, 3)])
+    np.testing.assert_array_equal(store.kv, before)
 
 
 def test_released_entries_are_never_touched(model):

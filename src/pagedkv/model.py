@@ -427,10 +427,11 @@ class PagedLlama:
                   host_blocks: int = 0) -> KVStore:
         """A KV store with this model's layers, KV heads and head dim, in the model's dtype and
         (unless ``backend`` says otherwise) its backend; ``host_blocks`` sizes its host pool (the
-        manager's host tier)."""
+        manager's host tier); ``num_groups`` is the model's number of KV cache groups."""
         d = self.dims
         return KVStore(d.num_layers, num_blocks, block_size, d.num_kv_heads, d.head_dim,
-                       dtype=self.dtype, backend=backend or self.backend, host_blocks=host_blocks)
+                       dtype=self.dtype, backend=backend or self.backend, host_blocks=host_blocks,
+                       num_groups=len(d.kv_groups))
 
     def _check_store(self, store: KVStore) -> None:
         d = self.dims

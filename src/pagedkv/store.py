@@ -224,6 +224,10 @@ class KVStore:
     attends straight through block tables. Example: ``KVStore(2, 64, 16, 2, 16)`` holds 64 blocks of
     16 tokens for 2 layers of 2 KV heads × 16 dims; ``nbytes`` is ``2*2*64*16*2*16*4 = 524,288``.
 
+    ``num_groups`` is how many KV cache groups' tables point into it (a hybrid model's, contract
+    v3): every block id holds every layer, and a layer reads only the blocks of its own group's
+    table, so one store serves every group and a ``CopyOp(src, dst, group)`` copies the whole block.
+
     ``host_blocks=N`` adds a host pool of ``N`` blocks (``host_kv``, same layout) and
     ``store.transfer(manager.take_transfers())`` moves blocks between the two (call it before
     ``copy_blocks``). With ``host_blocks=128`` the example's ``host_nbytes`` is 1,048,576 and
@@ -232,8 +236,8 @@ class KVStore:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, *, dtype: str = "float32", backend: str = "numpy",
-                 device: str = "cpu", host_blocks: int = 0) -> None:
-        for name, v in (("num_layers", num_layers), ("num_blocks", num_blocks),
+                 device: str = "cpu", host_blocks: int = 0, num_groups: int = 1) -> None:
+        for name, v in (("num_layers", num_layers), ("num_blocks", num_blocks), ("num_groups", num_groups),
                         ("block_size", block_size), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim)):
             _check_positive_int(name, v)
@@ -248,6 +252,8 @@ class KVStore:
         if isinstance(host_blocks, bool) or not isinstance(host_blocks, (int, np.integer)) or host_blocks < 0:
             raise ValueError(f"host_blocks must be an int >= 0, got {host_blocks!r}")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        # KV cache groups whose tables point into this store (a hybrid model's; copy ops name them)
+        self.num_groups = int(num_groups)
         self.num_kv_heads, self.head_dim, self.dtype, self.backend = num_kv_heads, head_dim, dtype, backend
         self._ops = _TorchOps(device) if backend == "torch" else _NumpyOps()
         self.kv = self._ops.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype)
@@ -357,6 +363,7 @@ class KVStore:
         if pairs.size == 0:
             return 0
         if pairs.ndim == 2 and pairs.shape[1] == 3:  # CopyOp(src, dst, group) of a grouped manager:
+            _check_range(pairs[:, 2], self.num_groups, "copy_ops groups (the store's num_groups)")
             pairs = pairs[:, :2]  # every block holds every layer here, so any group's copy is whole
         if pairs.ndim != 2 or pairs.shape[1] != 2:
             raise ValueError(f"copy_ops must be (src, dst) pairs, got shape {pairs.shape}")
