@@ -581,8 +581,8 @@ class KVStore:
         ``SlidingWindow(W)`` positions q-W+1 .. q, ``ChunkedLocalAttention(C)`` floor(q/C)*C .. q.
         Only the blocks from the earliest query's first read on are gathered (see
         :meth:`first_blocks`), so the entries below may be -1 (released) and a decode step costs
-        the window, not the context: ``SlidingWindow(128)`` at 4,096 tokens, block size 16, reads
-        9 blocks instead of 256.
+        the window, not the context: ``SlidingWindow(128)``, block size 16, a decode at position 4,096 reads
+        9 blocks (3,968 .. 4,111) instead of 257.
         """
         lens = _as_index(seq_lens, "seq_lens")
         first = self.first_blocks(spec, lens, query_lens)
