@@ -6,13 +6,15 @@ loop option or ``arrivals`` is given, and ``add_request`` / ``step`` / ``abort``
 drive the step loop (:mod:`pagedkv.engine.step_loop`) directly. The facade keeps no state of its
 own beyond the options; the counters live with the executor, the requests with the step loop.
 
-May import numpy, :mod:`pagedkv.checks` and the package's modules.
+May import numpy, :mod:`pagedkv.checks`, :mod:`pagedkv.kv_specs` (the groups check) and the
+package's modules.
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
 
 from ..checks import flag, int_at_least, optional_int_at_least
+from ..kv_specs import FullAttention
 from .executor import Executor
 from .prompt_loop import PromptLoop
 from .records import EngineStats, RequestResult, StepOutput
@@ -49,6 +51,11 @@ class Engine:
     pool of ``N`` blocks, and its transfers run every step; ``preemption="swap"`` (step loop
     only) swaps preempted requests out instead of recomputing them; ``run_transfers=False`` is
     the host tier's negative control (see the module docstring).
+
+    A hybrid model (``model.kv_groups``: sliding-window, chunked-local and full layers) needs a
+    grouped manager with the same groups, ``KVCacheManager(..., groups=list(model.kv_groups))``
+    (else ``ValueError``); both loops then hand the model one slot array and one table per
+    group. The grouped manager has no host tier yet, so ``preemption="swap"`` is out of reach.
     """
 
     def __init__(self, model: Any, manager: Any, store: Any = None, *, copy_on_write: bool = True,
@@ -62,6 +69,7 @@ class Engine:
         if publish_at_admission and token_budget is None and chunk_size is None:
             raise ValueError("publish_at_admission is a control of chunked prefill: set a token_budget "
                              "or a chunk_size")
+        self._check_groups(model, manager)
         host = manager.num_host_blocks
         self._check_host_options(host, preemption, run_transfers)
         if store is None:
@@ -80,6 +88,19 @@ class Engine:
         self._steps = StepLoop(self._executor, token_budget=token_budget, chunk_size=chunk_size,
                                speculator=speculator, publish_at_admission=publish_at_admission,
                                preemption=preemption)
+
+    @staticmethod
+    def _check_groups(model: Any, manager: Any) -> None:
+        """A hybrid model needs a manager with its KV cache groups, in its order: layer i reads
+        group ``dims.layer_groups[i]``'s table, so ``groups=list(model.kv_groups)``. A model or
+        manager that does not say (an older duck-typed one) has the one full-attention group."""
+        mine = tuple(getattr(model, "kv_groups", None) or (FullAttention(),))
+        theirs = tuple(getattr(manager, "groups", None) or (FullAttention(),))
+        if getattr(manager, "num_groups", 1) == 1:
+            theirs = (FullAttention(),)
+        if mine != theirs:
+            raise ValueError(f"the model's KV cache groups {list(mine)} are not the manager's {list(theirs)}: "
+                             f"build it as KVCacheManager(..., groups=list(model.kv_groups))")
 
     @staticmethod
     def _check_host_options(host: int, preemption: Any, run_transfers: Any) -> None:

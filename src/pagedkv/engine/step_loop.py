@@ -383,15 +383,47 @@ class StepLoop:
         m = self.manager
         return len(m.block_table(seq)) * m.block_size - m.num_computed(seq) + m.num_free_blocks * m.block_size
 
+    def _tail(self, seq: Hashable) -> int:
+        """Positions left in the sequence's last block (every group's table has its length)."""
+        m = self.manager
+        return len(m.block_table(seq)) * m.block_size - m.num_computed(seq)
+
+    def _fit(self, call, n: int, tail: int):
+        """A hybrid model's chunk: ``call(n)``, or on ``OutOfBlocks`` the most positions the
+        pool allows, ``call(k)``; ``(result, positions)``, or None when not even one fits.
+
+        A grouped manager takes a chunk's blocks in every group but first releases what the
+        windows let go, so the room is not ``free blocks x block size``; the failed call changed
+        nothing and its ``available`` (free blocks plus the releases) is exact: ``k = tail +
+        (available // groups) x block_size``. Example: block size 4, two groups, 5 available, an
+        empty tail: 2 blocks a group, k = 8 positions. Without this, a prompt under a small
+        window that only its own releases make room for would never be scheduled (vLLM #39734).
+        """
+        try:
+            return call(n), n
+        except OutOfBlocks as e:
+            k = min(n - 1, tail + e.available // self.ex.num_groups * self.manager.block_size)
+        if k < 1:
+            return None
+        try:
+            return call(k), k
+        except OutOfBlocks:
+            return None
+
     def _next_chunk(self, req: StepRequest, budget: int) -> StepWork | None:
         n = min(budget, self._chunk_cap, len(req.prompt) - req.done)
         if self.publish_at_admission:  # the control: every block is already allocated and published
             slots = self.manager.slots(req.seq, req.done, req.done + n)
-        else:
+        elif self.ex.num_groups == 1:
             n = min(n, self._room(req.seq))
             if n < 1:
                 return None
             slots = self.manager.prefill(req.seq, n)
+        else:
+            got = self._fit(lambda k: self.manager.prefill(req.seq, k), n, self._tail(req.seq))
+            if got is None:
+                return None
+            slots, n = got
         start, req.done = req.done, req.done + n
         return StepWork(req.seq, req.prompt[start:req.done], slots, req.done, req=req)
 
@@ -407,7 +439,14 @@ class StepLoop:
                 k = min(budget, self._chunk_cap, m.num_free_blocks * m.block_size)
                 if k < 1:
                     return None
-                hit = m.add_sequence(seq, req.prompt, cache_salt=req.cache_salt, prefill=k)
+                if self.ex.num_groups == 1:
+                    hit = m.add_sequence(seq, req.prompt, cache_salt=req.cache_salt, prefill=k)
+                else:  # a hit starts on a block boundary: its chunk's tail is empty
+                    got = self._fit(lambda j: m.add_sequence(seq, req.prompt, cache_salt=req.cache_salt,
+                                                             prefill=j), k, 0)
+                    if got is None:
+                        return None
+                    hit = got[0]
                 stop = m.num_computed(seq)
         except OutOfBlocks:
             return None
@@ -452,9 +491,9 @@ class StepLoop:
             break
         if w.drafts:
             m = self.manager
-            before = len(m.block_table(w.seq))
+            before = self.ex.held_blocks(w.seq)
             m.accept(w.seq, accepted)
-            freed = before - len(m.block_table(w.seq))
+            freed = before - self.ex.held_blocks(w.seq)
             st = self.ex.stats
             st.verify_steps += 1
             st.draft_tokens += len(w.drafts)
