@@ -70,6 +70,9 @@ class Executor:
         self.run_transfers = run_transfers
         self.tiered = tiered
         self.num_groups = getattr(manager, "num_groups", 1)  # KV cache groups: tables per sequence
+        # a grouped manager releases blocks as windows move: room is not free blocks x block size
+        self.releases = self.num_groups > 1 or any(
+            getattr(g, "kind", None) != "full_attention" for g in getattr(manager, "groups", ()) or ())
         self.stats = EngineStats()
         self.step_transfers = 0  # transfers the last forward drained
         self._alias: dict[int, int] = {}  # copy_on_write=False: block a copy went to -> its source

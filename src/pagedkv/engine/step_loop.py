@@ -61,6 +61,7 @@ class StepWork:
     req: StepRequest | None = None  # set for a prompt chunk
     drafts: list[int] = field(default_factory=list)
     proposed: bool = False  # the speculator proposed for this sequence this step
+    joint: bool = False  # the last token was scheduled with the drafts, as a draft: accept it too
 
 
 class StepLoop:
@@ -240,22 +241,33 @@ class StepLoop:
                     spec.settle(seq, 0)
                 continue
             lv = self._running[seq]
-            slot = self._append_or_preempt(seq, lv.sample.tokens[-1], lv.req, scheduled, out)
-            if slot is None:
-                short = True
-                if seq in proposals:
-                    spec.settle(seq, 0)
-                continue
-            scheduled.add(lv.req)
             drafts = [int(t) for t in proposals.get(seq, ())][:k]
-            slots = [slot]
-            if drafts:
+            joint = False
+            if drafts and self.ex.releases:
+                # one call: a grouped manager releases, at each call, what the committed count
+                # lets go; a second call this step would count the last token as run and
+                # release the block its query still reads (window W: position p reads p-W+1)
                 try:
-                    slots += m.append_tokens(seq, drafts, speculative=True)
+                    slots = list(m.append_tokens(seq, [lv.sample.tokens[-1]] + drafts, speculative=True))
+                    joint = True
                 except OutOfBlocks:  # no room for drafts: a plain decode step
                     drafts = []
+            if not joint:
+                slot = self._append_or_preempt(seq, lv.sample.tokens[-1], lv.req, scheduled, out)
+                if slot is None:
+                    short = True
+                    if seq in proposals:
+                        spec.settle(seq, 0)
+                    continue
+                slots = [slot]
+                if drafts:
+                    try:
+                        slots += m.append_tokens(seq, drafts, speculative=True)
+                    except OutOfBlocks:  # no room for drafts: a plain decode step
+                        drafts = []
+            scheduled.add(lv.req)
             work.append(StepWork(seq, [lv.sample.tokens[-1]] + drafts, np.asarray(slots, dtype=np.int64),
-                              m.num_computed(seq), drafts=drafts, proposed=seq in proposals))
+                              m.num_computed(seq), drafts=drafts, proposed=seq in proposals, joint=joint))
             out.decode_tokens += 1 + len(drafts)
             out.draft_tokens += len(drafts)
             budget -= 1 + len(drafts)
@@ -414,7 +426,7 @@ class StepLoop:
         n = min(budget, self._chunk_cap, len(req.prompt) - req.done)
         if self.publish_at_admission:  # the control: every block is already allocated and published
             slots = self.manager.slots(req.seq, req.done, req.done + n)
-        elif self.ex.num_groups == 1:
+        elif not self.ex.releases:
             n = min(n, self._room(req.seq))
             if n < 1:
                 return None
@@ -439,7 +451,7 @@ class StepLoop:
                 k = min(budget, self._chunk_cap, m.num_free_blocks * m.block_size)
                 if k < 1:
                     return None
-                if self.ex.num_groups == 1:
+                if not self.ex.releases:
                     hit = m.add_sequence(seq, req.prompt, cache_salt=req.cache_salt, prefill=k)
                 else:  # a hit starts on a block boundary: its chunk's tail is empty
                     got = self._fit(lambda j: m.add_sequence(seq, req.prompt, cache_salt=req.cache_salt,
@@ -492,7 +504,7 @@ class StepLoop:
         if w.drafts:
             m = self.manager
             before = self.ex.held_blocks(w.seq)
-            m.accept(w.seq, accepted)
+            m.accept(w.seq, accepted + w.joint)
             freed = before - self.ex.held_blocks(w.seq)
             st = self.ex.stats
             st.verify_steps += 1
