@@ -16,6 +16,10 @@ so that a test can overwrite it with garbage, as reused memory would be; ``on_re
 is called when a block's last reference goes (a test that overwrites it there models a pool
 so busy that another request reuses every released block at once).
 
+``EarlyWindow`` and ``StaleTables`` are the engine's negative control on the real grouped manager
+(tests/test_engine_hybrid_*.py): a window released one position early, read through stale
+tables from blocks overwritten with garbage.
+
 ``Runner`` drives either allocator through the same calls (``add_sequence``, ``prefill``,
 ``append_token``, ``fork``, ``take_copies``, ``block_tables(ids, group=g)``, ``slots(id, start,
 stop, group=g)``), so the test that switches to the real manager is the same code.
@@ -27,6 +31,7 @@ from collections import OrderedDict
 import numpy as np
 
 from pagedkv import OutOfBlocks
+from pagedkv.grouped import GroupedKVCacheManager
 from pagedkv.kv_specs import ChunkedLocalAttention, FullAttention, SlidingWindow
 from pagedkv.model import LlamaDims, PagedLlama
 
@@ -352,3 +357,50 @@ def poison(store, seed=0):
 
 
 SPECS = {"full": FullAttention(), "sliding": SlidingWindow(WINDOW), "chunked": ChunkedLocalAttention(6)}
+
+
+# ---- the engine's negative control on the real grouped manager
+
+
+class EarlyWindow(SlidingWindow):
+    """A window whose blocks are released one position before its queries stop reading them
+    (the control); it compares equal to the model's window, so the engine accepts the manager."""
+
+    def released_below(self, computed, block_size):
+        return super().released_below(computed + 1, block_size)
+
+    def __eq__(self, other):
+        return isinstance(other, SlidingWindow) and other.window == self.window
+
+    __hash__ = SlidingWindow.__hash__
+
+
+class StaleTables(GroupedKVCacheManager):
+    """The control's manager: its window group releases early (``EarlyWindow``), and its
+    ``block_tables`` keep a released block's id where it read one (as a kernel given a stale
+    table would); a block nobody holds any more is filled with garbage in ``store``, as reused
+    memory would be."""
+
+    store = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen = {}  # (seq, group) -> the row with every id it ever held
+        self.rng = np.random.default_rng(0)
+
+    def block_tables(self, seq_ids, pad=-1, group=0):
+        out = super().block_tables(seq_ids, pad, group)
+        for i, seq in enumerate(seq_ids):
+            row = self.seen.setdefault((seq, group), [])
+            cur = self.block_table(seq, group=group)
+            row += [-1] * (len(cur) - len(row))
+            for j, b in enumerate(cur):
+                if b >= 0:
+                    row[j] = b
+                elif row[j] >= 0:
+                    out[i, j] = row[j]
+                    if self.refcount(row[j]) == 0 and self.store is not None:
+                        kv = self.store.kv
+                        junk = self.rng.normal(0, 50, kv[:, :, row[j]].shape)
+                        kv[:, :, row[j]] = kv.new_tensor(junk) if hasattr(kv, "new_tensor") else junk
+        return out

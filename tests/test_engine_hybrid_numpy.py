@@ -21,7 +21,7 @@ from pagedkv.engine import Engine
 from pagedkv.grouped import GroupedKVCacheManager
 from pagedkv.kv_specs import FullAttention, SlidingWindow
 from pagedkv.speculative import DraftModelDrafter, NgramDrafter
-from hybrid_setup import SPECS, WINDOW, random_hybrid
+from hybrid_setup import SPECS, WINDOW, EarlyWindow, StaleTables, random_hybrid
 from llama_setup import DIMS, prompts_of
 
 ATOL = 1e-4
@@ -252,49 +252,6 @@ def test_prefix_hit_across_generate_calls(model):
 
 
 # ---- negative controls
-
-
-class EarlyWindow(SlidingWindow):
-    """A window whose blocks are released one position before its queries stop reading them
-    (the control); it compares equal to the model's window, so the engine accepts the manager."""
-
-    def released_below(self, computed, block_size):
-        return super().released_below(computed + 1, block_size)
-
-    def __eq__(self, other):
-        return isinstance(other, SlidingWindow) and other.window == self.window
-
-    __hash__ = SlidingWindow.__hash__
-
-
-class StaleTables(GroupedKVCacheManager):
-    """The control's manager: its window group releases early (``EarlyWindow``), and its
-    ``block_tables`` keep a released block's id where it read one (as a kernel given a stale
-    table would); a block nobody holds any more is filled with garbage in ``store``, as reused
-    memory would be."""
-
-    store = None
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.seen = {}  # (seq, group) -> the row with every id it ever held
-        self.rng = np.random.default_rng(0)
-
-    def block_tables(self, seq_ids, pad=-1, group=0):
-        out = super().block_tables(seq_ids, pad, group)
-        for i, seq in enumerate(seq_ids):
-            row = self.seen.setdefault((seq, group), [])
-            cur = self.block_table(seq, group=group)
-            row += [-1] * (len(cur) - len(row))
-            for j, b in enumerate(cur):
-                if b >= 0:
-                    row[j] = b
-                elif row[j] >= 0:
-                    out[i, j] = row[j]
-                    if self.refcount(row[j]) == 0 and self.store is not None:
-                        shape = self.store.kv[:, :, row[j]].shape
-                        self.store.kv[:, :, row[j]] = self.rng.normal(0, 50, shape)
-        return out
 
 
 def test_a_window_released_one_position_early_diverges(model):

@@ -13,8 +13,9 @@ without also bringing MoE and NoPE layers, so the chunked oracle is the same Qwe
 its sliding layers given transformers' own chunked mask (``create_chunked_causal_mask``, Llama
 4's) through the model's per-layer-type mask mapping.
 
-The allocator is ``hybrid_setup.ToyGroups`` until the grouped ``KVCacheManager`` lands; the last
-test runs the same greedy check on ``KVCacheManager(groups=...)`` and skips until it exists.
+The allocator is ``hybrid_setup.ToyGroups`` (the contract's rules alone, with hooks that overwrite
+released blocks); the last test runs the same greedy check on the grouped
+``KVCacheManager(groups=...)``, and tests/test_engine_hybrid_oracle.py runs the engine on it.
 """
 from __future__ import annotations
 
@@ -185,14 +186,6 @@ def test_negative_controls_diverge_from_transformers(qwen, qwen_greedy):
     assert max(np.abs(e - want).max() for e, want in zip(wide_logits, logits)) > 0.1
 
 
-def _grouped_manager_or_skip(num_blocks, block_size, groups):
-    try:
-        return KVCacheManager(num_blocks, block_size, groups=list(groups))
-    except TypeError:
-        pytest.skip("KVCacheManager(groups=...) is not merged yet (issue 19 section 1); this test "
-                    "runs the decoder on it as soon as it is")
-
-
 @pytest.mark.parametrize("block_size, chunk", [(4, 6), (16, 5)])
 def test_greedy_on_the_grouped_manager(qwen, qwen_greedy, block_size, chunk):
     """The same check on the real grouped manager: its per-group tables and slots drive the
@@ -200,7 +193,7 @@ def test_greedy_on_the_grouped_manager(qwen, qwen_greedy, block_size, chunk):
     tokens, logits = qwen_greedy
     model = PagedLlama.from_transformers(qwen)
     num_blocks = 96 if block_size == 4 else 24
-    manager = _grouped_manager_or_skip(num_blocks, block_size, model.kv_groups)
+    manager = KVCacheManager(num_blocks, block_size, groups=list(model.kv_groups))
     r = Runner(model, manager, model.new_store(num_blocks, block_size))
     got, got_logits, _ = greedy(r, prompts_of(PROMPTS), NEW, chunk=chunk)
     for i in range(len(PROMPTS)):
