@@ -6,15 +6,13 @@ loop option or ``arrivals`` is given, and ``add_request`` / ``step`` / ``abort``
 drive the step loop (:mod:`pagedkv.engine.step_loop`) directly. The facade keeps no state of its
 own beyond the options; the counters live with the executor, the requests with the step loop.
 
-May import numpy, :mod:`pagedkv.checks`, :mod:`pagedkv.kv_specs` (the groups check) and the
-package's modules.
+May import numpy, :mod:`pagedkv.checks` and the package's modules.
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
 
 from ..checks import flag, int_at_least, optional_int_at_least
-from ..kv_specs import FullAttention
 from .executor import Executor
 from .prompt_loop import PromptLoop
 from .records import EngineStats, RequestResult, StepOutput
@@ -92,15 +90,18 @@ class Engine:
     @staticmethod
     def _check_groups(model: Any, manager: Any) -> None:
         """A hybrid model needs a manager with its KV cache groups, in its order: layer i reads
-        group ``dims.layer_groups[i]``'s table, so ``groups=list(model.kv_groups)``. A model or
-        manager that does not say (an older duck-typed one) has the one full-attention group."""
-        mine = tuple(getattr(model, "kv_groups", None) or (FullAttention(),))
-        theirs = tuple(getattr(manager, "groups", None) or (FullAttention(),))
-        if getattr(manager, "num_groups", 1) == 1:
-            theirs = (FullAttention(),)
+        group ``dims.layer_groups[i]``'s table, so ``groups=list(model.kv_groups)``. One
+        full-attention group, or none said (an older duck-typed model or manager), is the plain
+        case on either side."""
+        def groups(obj: Any, name: str) -> tuple:
+            g = tuple(getattr(obj, name, None) or ())
+            return () if len(g) == 1 and getattr(g[0], "kind", None) == "full_attention" else g
+
+        mine, theirs = groups(model, "kv_groups"), groups(manager, "groups")
         if mine != theirs:
-            raise ValueError(f"the model's KV cache groups {list(mine)} are not the manager's {list(theirs)}: "
-                             f"build it as KVCacheManager(..., groups=list(model.kv_groups))")
+            raise ValueError(f"the model's KV cache groups {list(mine) or 'full attention'} are not the "
+                             f"manager's {list(theirs) or 'full attention'}: build it as "
+                             f"KVCacheManager(..., groups=list(model.kv_groups))")
 
     @staticmethod
     def _check_host_options(host: int, preemption: Any, run_transfers: Any) -> None:
