@@ -34,6 +34,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from .checks import int_at_least, number_at_least
+from .kv_specs import AttentionSpec, ChunkedLocalAttention, FullAttention, SlidingWindow, check_groups
 from .store import KVStore
 
 __all__ = ["LlamaDims", "PagedLlama", "causal_attention"]
@@ -59,6 +60,15 @@ class LlamaDims:
 
     Worked example, the test model: hidden 64, 4 heads of 16 dims, 2 KV heads (each KV head
     serves a group of 2 query heads), 2 layers, vocab 256, intermediate 128, rope_theta 500.
+
+    ``layer_specs`` is the layer pattern of a hybrid model: one attention spec per layer
+    (``pagedkv.kv_specs``: ``FullAttention()``, ``SlidingWindow(window=W)``,
+    ``ChunkedLocalAttention(chunk=C)``). Empty (the default) means every layer is full attention:
+    today's model, bit for bit. The distinct specs, in order of first appearance, are the KV cache
+    groups (``kv_groups``; a manager built with ``groups=dims.kv_groups`` has one table per group)
+    and ``layer_groups[i]`` is layer i's group. Example: ``(SlidingWindow(8), FullAttention(),
+    SlidingWindow(8))`` gives ``kv_groups == (SlidingWindow(8), FullAttention())`` and
+    ``layer_groups == (0, 1, 0)``.
     """
 
     vocab_size: int
@@ -70,6 +80,7 @@ class LlamaDims:
     head_dim: int
     rope_theta: float = 10_000.0
     rms_norm_eps: float = 1e-6
+    layer_specs: tuple = ()
 
     def __post_init__(self) -> None:
         for f in fields(self)[:7]:
@@ -81,6 +92,31 @@ class LlamaDims:
             raise ValueError(f"{self.num_heads} heads do not split into {self.num_kv_heads} KV groups")
         if self.head_dim % 2:
             raise ValueError(f"RoPE rotates pairs of dimensions: head_dim must be even, got {self.head_dim}")
+        specs = self.layer_specs
+        if isinstance(specs, (str, bytes)) or not isinstance(specs, (tuple, list)):
+            raise ValueError(f"layer_specs must be a tuple of attention specs, got {specs!r}")
+        if specs:
+            specs = check_groups(list(specs))
+            if len(specs) != self.num_layers:
+                raise ValueError(f"layer_specs lists {len(specs)} specs for {self.num_layers} layers")
+        object.__setattr__(self, "layer_specs", tuple(specs))
+
+    @property
+    def attention(self) -> tuple[AttentionSpec, ...]:
+        """Layer i's attention spec, for every layer (all ``FullAttention()`` when ``layer_specs``
+        is empty)."""
+        return self.layer_specs or (FullAttention(),) * self.num_layers
+
+    @property
+    def kv_groups(self) -> tuple[AttentionSpec, ...]:
+        """The distinct layer specs in order of first appearance: the manager's ``groups``."""
+        return tuple(dict.fromkeys(self.attention))
+
+    @property
+    def layer_groups(self) -> tuple[int, ...]:
+        """Layer i's index into :attr:`kv_groups`."""
+        index = {g: i for i, g in enumerate(self.kv_groups)}
+        return tuple(index[a] for a in self.attention)
 
     @classmethod
     def from_config(cls, config: Any) -> "LlamaDims":
@@ -99,17 +135,50 @@ class LlamaDims:
         if _cfg(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"Llama's MLP uses silu, config has {_cfg(config, 'hidden_act')!r}")
         theta = rope.get("rope_theta", _cfg(config, "rope_theta", 10_000.0))
+        num_layers = int(_cfg(config, "num_hidden_layers"))
         return cls(
             vocab_size=int(_cfg(config, "vocab_size")),
             hidden_size=int(hidden),
             intermediate_size=int(_cfg(config, "intermediate_size")),
-            num_layers=int(_cfg(config, "num_hidden_layers")),
+            num_layers=num_layers,
             num_heads=int(heads),
             num_kv_heads=int(_cfg(config, "num_key_value_heads") or heads),
             head_dim=int(_cfg(config, "head_dim") or hidden // heads),
             rope_theta=float(theta),
             rms_norm_eps=float(_cfg(config, "rms_norm_eps", 1e-6)),
+            layer_specs=_layer_specs_from_config(config, num_layers),
         )
+
+
+_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def _layer_specs_from_config(config: Any, num_layers: int) -> tuple:
+    """The layer pattern of a transformers config: ``layer_types`` (``"full_attention"``,
+    ``"sliding_attention"`` of ``sliding_window``, ``"chunked_attention"`` of
+    ``attention_chunk_size``), else a bare ``sliding_window`` on every layer (Mistral), else all
+    full (empty). Qwen2 sets ``sliding_window`` to None unless ``use_sliding_window``, and lists
+    ``layer_types`` itself. (``pagedkv.sim.sizing`` reads the other spellings, such as
+    ``sliding_window_pattern``, for sizing; the decoder runs only the models above.)"""
+    types = _cfg(config, "layer_types")
+    window, chunk = _cfg(config, "sliding_window"), _cfg(config, "attention_chunk_size")
+    if types is None:
+        if window is None or not _cfg(config, "use_sliding_window", True):
+            return ()
+        types = ["sliding_attention"] * num_layers
+    if isinstance(types, (str, bytes)) or len(types) != num_layers:
+        raise ValueError(f"layer_types must list one type per layer ({num_layers}), got {types!r}")
+    specs = []
+    for i, t in enumerate(types):
+        if t not in _LAYER_TYPES:
+            raise ValueError(f"layer_types[{i}] is {t!r}; the decoder runs {', '.join(_LAYER_TYPES)}")
+        if t == "sliding_attention" and window is None:
+            raise ValueError(f"layer {i} is a sliding_attention layer but the config has no sliding_window")
+        if t == "chunked_attention" and chunk is None:
+            raise ValueError(f"layer {i} is a chunked_attention layer but the config has no attention_chunk_size")
+        specs.append(FullAttention() if t == "full_attention" else SlidingWindow(window)
+                     if t == "sliding_attention" else ChunkedLocalAttention(chunk))
+    return () if all(isinstance(a, FullAttention) for a in specs) else tuple(specs)
 
 
 def _weight_shapes(d: LlamaDims) -> dict[str, tuple[int, ...]]:
@@ -233,20 +302,27 @@ def _dtype_name(dtype: Any) -> str:
 # ---- the reference attention, written independently of the store's kernel
 
 
-def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                     spec: AttentionSpec | None = None) -> np.ndarray:
     """Plain causal grouped-query attention over one whole sequence, in float64.
 
     ``q`` is ``[tokens, heads, head_dim]``, ``k``/``v`` ``[tokens, kv_heads, head_dim]``; token
     ``t`` attends to tokens ``0..t``; query head ``h`` reads KV head ``h // (heads // kv_heads)``
     (4 heads on 2 KV heads: heads 0, 1 read KV head 0). This is the textbook formula with the
     KV heads repeated and a ``[tokens, tokens]`` mask, sharing no code with the paged kernel.
+    With a ``spec`` the mask also drops keys below ``spec.first_read(t)``: ``SlidingWindow(3)``
+    lets token 5 see tokens 3, 4, 5; ``ChunkedLocalAttention(4)`` lets it see 4, 5.
     """
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     tokens, heads, dim = q.shape
     group = heads // k.shape[1]
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
     scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(dim)
-    scores = np.where(np.tri(tokens, dtype=bool), scores, -np.inf)
+    mask = np.tri(tokens, dtype=bool)
+    if spec is not None:
+        first = np.array([spec.first_read(t) for t in range(tokens)], dtype=np.int64)
+        mask &= np.arange(tokens)[None, :] >= first[:, None]
+    scores = np.where(mask, scores, -np.inf)
     weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
     weights /= weights.sum(axis=-1, keepdims=True)
     return np.einsum("hts,shd->thd", weights, v)
@@ -349,10 +425,11 @@ class PagedLlama:
                   host_blocks: int = 0) -> KVStore:
         """A KV store with this model's layers, KV heads and head dim, in the model's dtype and
         (unless ``backend`` says otherwise) its backend; ``host_blocks`` sizes its host pool (the
-        manager's host tier)."""
+        manager's host tier); ``num_groups`` is the model's number of KV cache groups."""
         d = self.dims
         return KVStore(d.num_layers, num_blocks, block_size, d.num_kv_heads, d.head_dim,
-                       dtype=self.dtype, backend=backend or self.backend, host_blocks=host_blocks)
+                       dtype=self.dtype, backend=backend or self.backend, host_blocks=host_blocks,
+                       num_groups=len(d.kv_groups))
 
     def _check_store(self, store: KVStore) -> None:
         d = self.dims
@@ -378,17 +455,48 @@ class PagedLlama:
         a sequence may read, through its table, a block that another sequence of the same call
         writes (a prefix hit on a block published in this step: chunked prefill relies on it).
         A bad step raises ``ValueError`` before any K/V is written.
+
+        A hybrid model (more than one of :attr:`kv_groups`) takes one entry per group instead:
+        ``slots[g]`` and ``block_tables[g]`` are group g's (``manager.slots(id, start, stop,
+        group=g)`` and ``manager.block_tables(ids, group=g)``), and each layer writes and reads
+        through its own group's (as vLLM's per-group slot mappings and block tables). A sliding or
+        chunked layer gathers only the blocks its queries read, from the first block the
+        step's earliest query reads (``SlidingWindow(7)``, block size 4, a decode at position 20:
+        blocks 3 on); the entries below may be -1 (released) and are never touched. An entry
+        that a query does read and that is -1 is a ``ValueError`` before anything is written.
         """
         self._check_store(store)
-        ids, lens, qlens = self._check_step(token_ids, slots, seq_lens, query_lens)
-        store.check_batch(slots, block_tables, lens)  # fail before the first layer writes anything
+        groups, layer_groups = self.kv_groups, self.dims.layer_groups
+        slots_g, tables_g = self._per_group(slots, block_tables)
+        ids, lens, qlens = self._check_step(token_ids, slots_g, seq_lens, query_lens)
+        for spec, sl, tables in zip(groups, slots_g, tables_g):  # fail before the first layer writes
+            store.check_batch(sl, tables, lens, qlens, spec=spec)
         positions = np.repeat(lens - qlens, qlens) + _ranks(qlens)
 
         def paged(layer, q, k, v):
-            store.write(layer, slots, k, v)  # the new tokens' K/V go to the allocator's slots first...
-            return store.paged_attention(layer, q, block_tables, lens, qlens)  # ...then attention reads
+            g = layer_groups[layer]
+            store.write(layer, slots_g[g], k, v)  # the new tokens' K/V go to the allocator's slots first...
+            return store.paged_attention(layer, q, tables_g[g], lens, qlens,  # ...then attention reads
+                                         spec=groups[g])
 
         return self._decode(ids, positions, paged)
+
+    @property
+    def kv_groups(self) -> tuple[AttentionSpec, ...]:
+        """The model's KV cache groups (``dims.kv_groups``): ``(FullAttention(),)`` for a plain
+        Llama; pass them as a manager's ``groups``."""
+        return self.dims.kv_groups
+
+    def _per_group(self, slots: Any, block_tables: Any) -> tuple[list, list]:
+        """``slots`` and ``block_tables`` as one entry per KV cache group."""
+        n = len(self.kv_groups)
+        if n == 1:
+            return [slots], [block_tables]
+        for name, arg in (("slots", slots), ("block_tables", block_tables)):
+            if not isinstance(arg, (list, tuple)) or len(arg) != n:
+                raise ValueError(f"this model has {n} KV cache groups {list(self.kv_groups)}: {name} "
+                                 f"must be a list of {n} per-group entries")
+        return list(slots), list(block_tables)
 
     __call__ = forward
 
@@ -406,9 +514,12 @@ class PagedLlama:
         if ids.size == 0:
             raise ValueError("dense_forward needs at least one token")
 
+        attention = self.dims.attention
+
         def dense(layer, q, k, v):
             xp = self._xp
-            return causal_attention(xp.to_numpy(q), xp.to_numpy(k), xp.to_numpy(v))
+            spec = None if isinstance(attention[layer], FullAttention) else attention[layer]
+            return causal_attention(xp.to_numpy(q), xp.to_numpy(k), xp.to_numpy(v), spec)
 
         return self._decode(ids, np.arange(ids.size), dense)
 
@@ -477,7 +588,7 @@ class PagedLlama:
             raise ValueError(f"token ids must lie in [0, {self.dims.vocab_size})")
         return ids
 
-    def _check_step(self, token_ids, slots, seq_lens, query_lens):
+    def _check_step(self, token_ids, slots_g, seq_lens, query_lens):
         ids = self._check_ids(token_ids)
         lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
         if query_lens is None:
@@ -488,8 +599,10 @@ class PagedLlama:
             raise ValueError(f"{ids.size} tokens but query_lens {qlens.tolist()} for {lens.size} sequences")
         if (qlens < 1).any() or (qlens > lens).any():
             raise ValueError("each sequence needs 1 <= query_len <= seq_len")
-        if len(slots) != ids.size:
-            raise ValueError(f"{ids.size} tokens need {ids.size} slots, got {len(slots)}")
+        for g, slots in enumerate(slots_g):
+            if len(slots) != ids.size:
+                where = "" if len(slots_g) == 1 else f" in group {g}"
+                raise ValueError(f"{ids.size} tokens need {ids.size} slots{where}, got {len(slots)}")
         return ids, lens, qlens
 
 

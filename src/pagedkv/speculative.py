@@ -103,6 +103,10 @@ class DraftModelDrafter:
 
     def __init__(self, model: Any, manager: Any, num_drafts: int = 4, store: Any = None) -> None:
         self.num_drafts = int_at_least("num_drafts", num_drafts, 1)
+        if len(getattr(model, "kv_groups", ())) > 1 or getattr(manager, "num_groups", 1) > 1:
+            # its forward passes one slot array and one table: a full-attention draft only
+            raise ValueError("the draft model must be full attention (one KV cache group); a hybrid "
+                             "target may use a full-attention draft")
         if manager.num_host_blocks:
             # this drafter runs no host transfers: a host prefix hit would read unloaded blocks
             raise ValueError("the draft manager must have no host tier (host_blocks=0)")

@@ -28,6 +28,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from .kv_specs import AttentionSpec, FullAttention
 from .types import TO_DEVICE, TO_HOST
 
 __all__ = ["KVStore", "dense_attention", "kv_bytes_per_block"]
@@ -223,6 +224,10 @@ class KVStore:
     attends straight through block tables. Example: ``KVStore(2, 64, 16, 2, 16)`` holds 64 blocks of
     16 tokens for 2 layers of 2 KV heads × 16 dims; ``nbytes`` is ``2*2*64*16*2*16*4 = 524,288``.
 
+    ``num_groups`` is how many KV cache groups' tables point into it (a hybrid model's, contract
+    v3): every block id holds every layer, and a layer reads only the blocks of its own group's
+    table, so one store serves every group and a ``CopyOp(src, dst, group)`` copies the whole block.
+
     ``host_blocks=N`` adds a host pool of ``N`` blocks (``host_kv``, same layout) and
     ``store.transfer(manager.take_transfers())`` moves blocks between the two (call it before
     ``copy_blocks``). With ``host_blocks=128`` the example's ``host_nbytes`` is 1,048,576 and
@@ -231,8 +236,8 @@ class KVStore:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, *, dtype: str = "float32", backend: str = "numpy",
-                 device: str = "cpu", host_blocks: int = 0) -> None:
-        for name, v in (("num_layers", num_layers), ("num_blocks", num_blocks),
+                 device: str = "cpu", host_blocks: int = 0, num_groups: int = 1) -> None:
+        for name, v in (("num_layers", num_layers), ("num_blocks", num_blocks), ("num_groups", num_groups),
                         ("block_size", block_size), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim)):
             _check_positive_int(name, v)
@@ -247,6 +252,8 @@ class KVStore:
         if isinstance(host_blocks, bool) or not isinstance(host_blocks, (int, np.integer)) or host_blocks < 0:
             raise ValueError(f"host_blocks must be an int >= 0, got {host_blocks!r}")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        # KV cache groups whose tables point into this store (a hybrid model's; copy ops name them)
+        self.num_groups = int(num_groups)
         self.num_kv_heads, self.head_dim, self.dtype, self.backend = num_kv_heads, head_dim, dtype, backend
         self._ops = _TorchOps(device) if backend == "torch" else _NumpyOps()
         self.kv = self._ops.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype)
@@ -346,7 +353,8 @@ class KVStore:
         """Run copy-on-write copies (``dst[:] = src[:]``) for every layer, K and V; return bytes moved.
 
         ``copy_ops`` is what ``KVCacheManager.take_copies()`` returned (``CopyOp(src, dst)`` tuples;
-        any ``[n, 2]`` int array works). All layers move in one gather + scatter along the block
+        any ``[n, 2]`` int array works; a grouped manager's ``CopyOp(src, dst, group)`` too: this
+        store gives every block id every layer, so copying the whole block serves any group). All layers move in one gather + scatter along the block
         axis. Ops run in their given order (chained ops are split into successive vectorised runs,
         see :func:`_copy_waves`). Worked number: 3 copies in the test model with 16-token blocks
         move ``3 * 8,192 = 24,576`` bytes.
@@ -354,6 +362,9 @@ class KVStore:
         pairs = _as_index(list(copy_ops), "copy_ops")
         if pairs.size == 0:
             return 0
+        if pairs.ndim == 2 and pairs.shape[1] == 3:  # CopyOp(src, dst, group) of a grouped manager:
+            _check_range(pairs[:, 2], self.num_groups, "copy_ops groups (the store's num_groups)")
+            pairs = pairs[:, :2]  # every block holds every layer here, so any group's copy is whole
         if pairs.ndim != 2 or pairs.shape[1] != 2:
             raise ValueError(f"copy_ops must be (src, dst) pairs, got shape {pairs.shape}")
         _check_range(pairs, self.num_blocks, "copy_ops block ids")
@@ -461,30 +472,42 @@ class KVStore:
         v = self.kv[layer, 1][where].reshape(shape)[:num_tokens]
         return k, v
 
-    def gather_padded(self, layer: int, block_tables: Any, seq_lens: Any):
+    def gather_padded(self, layer: int, block_tables: Any, seq_lens: Any, first_blocks: Any = None):
         """K and V of a batch, padded to ``[batch, max(seq_lens), kv_heads, head_dim]``.
 
         ``block_tables`` is ``[batch, max_blocks]`` (``KVCacheManager.block_tables``, pad ``-1``);
         entries past a sequence's ``ceil(len / block_size)`` blocks are never read (their rows come
         back as block 0's data, which attention masks out).
+
+        ``first_blocks`` (one per sequence, default all 0) skips the blocks below it: row 0 of
+        sequence ``i`` is then position ``first_blocks[i] * block_size``, the rows are padded to
+        the longest remainder, and the skipped entries are never read, so they may be -1 (a
+        sliding-window group's released blocks). Example (block size 4, a table ``[-1, -1, 7,
+        9]``, 15 tokens, first block 2): rows 0 .. 6 are positions 8 .. 14, from blocks 7 and 9.
         """
         self._check_layer(layer)
-        tables, lens = self._check_tables(block_tables, seq_lens)
-        width = -(-int(lens.max(initial=0)) // self.block_size)
-        cols = tables[:, :width]
-        safe = np.where(np.arange(width)[None, :] < -(-lens[:, None] // self.block_size), cols, 0)
+        tables, lens = self._check_tables(block_tables, seq_lens, first_blocks)
+        need = -(-lens // self.block_size)
+        lo = np.zeros_like(lens) if first_blocks is None else _as_index(first_blocks, "first_blocks")
+        width = int((need - lo).max(initial=0))
+        col = lo[:, None] + np.arange(width)[None, :]
+        inside = col < need[:, None]
+        safe = np.where(inside, np.take_along_axis(tables, np.minimum(col, max(tables.shape[1] - 1, 0)), 1), 0)
         where = self._ops.index(safe)
         shape = (len(lens), width * self.block_size, self.num_kv_heads, self.head_dim)
-        max_len = int(lens.max(initial=0))
+        max_len = int((lens - lo * self.block_size).max(initial=0))
         k = self.kv[layer, 0][where].reshape(shape)[:, :max_len]
         v = self.kv[layer, 1][where].reshape(shape)[:, :max_len]
         return k, v
 
-    def check_batch(self, slots: Any, block_tables: Any, seq_lens: Any) -> None:
+    def check_batch(self, slots: Any, block_tables: Any, seq_lens: Any, query_lens: Any = None,
+                    spec: Any = None) -> None:
         """Raise ValueError unless a step's slots and block tables are valid for this store.
 
         A model calls this before its first write, so that a bad step fails before any layer's
-        K/V was changed (``write`` and ``paged_attention`` check again, per call).
+        K/V was changed (``write`` and ``paged_attention`` check again, per call). With an
+        attention ``spec`` (``pagedkv.kv_specs``) only the table entries that the step's queries
+        read are checked: those below the first block the earliest query reads may be -1.
         """
         idx = _as_index(slots, "slots")
         if idx.ndim != 1:
@@ -492,9 +515,29 @@ class KVStore:
         _check_range(idx, self.num_slots, "slots")
         if np.unique(idx).size != idx.size:
             raise ValueError("slots must be distinct within one step")
-        self._check_tables(block_tables, seq_lens)
+        lens = _as_index(seq_lens, "seq_lens")
+        first = None if spec is None else self.first_blocks(spec, lens, query_lens)
+        self._check_tables(block_tables, seq_lens, first)
 
-    def _check_tables(self, block_tables: Any, seq_lens: Any) -> tuple[np.ndarray, np.ndarray]:
+    def first_blocks(self, spec: Any, seq_lens: Any, query_lens: Any = None) -> np.ndarray | None:
+        """Per sequence, the first block that a step's earliest query reads under ``spec`` (an
+        attention spec of ``pagedkv.kv_specs``), or None when every query reads from position 0.
+
+        Sequence ``i``'s earliest query is position ``seq_lens[i] - query_lens[i]``. Example
+        (block size 4, ``SlidingWindow(7)``, a decode step at 21 tokens): the query at 20 reads
+        14 .. 20, so block 3 (positions 12 .. 15) is the first read and blocks 0 .. 2 may be -1.
+        """
+        lens = _as_index(seq_lens, "seq_lens").reshape(-1)
+        qlens = np.ones_like(lens) if query_lens is None else _as_index(query_lens, "query_lens").reshape(-1)
+        if not _windowed(spec):  # full attention: everything from position 0
+            return None
+        if qlens.shape != lens.shape:
+            raise ValueError(f"query_lens must have one entry per sequence, got {qlens.shape} vs {lens.shape}")
+        starts = np.maximum(lens - qlens, 0).tolist()
+        return np.array([spec.first_read(q) // self.block_size for q in starts], dtype=np.int64)
+
+    def _check_tables(self, block_tables: Any, seq_lens: Any,
+                      first_blocks: Any = None) -> tuple[np.ndarray, np.ndarray]:
         tables = _as_index(block_tables, "block_tables")
         lens = _as_index(seq_lens, "seq_lens")
         if tables.ndim != 2 or lens.ndim != 1 or tables.shape[0] != lens.shape[0]:
@@ -506,12 +549,24 @@ class KVStore:
         if lens.size and need.max() > tables.shape[1]:
             raise ValueError(f"a sequence of {lens.max()} tokens needs {need.max()} blocks, "
                              f"the tables have {tables.shape[1]} columns")
-        used = np.arange(tables.shape[1])[None, :] < need[:, None]
-        _check_range(tables[used], self.num_blocks, "block table entries")
+        cols = np.arange(tables.shape[1])[None, :]
+        used = cols < need[:, None]
+        if first_blocks is not None:
+            lo = _as_index(first_blocks, "first_blocks").reshape(-1)
+            if lo.shape != lens.shape or (lo.size and (lo.min() < 0 or (lo > need).any())):
+                raise ValueError(f"first_blocks must be one block index per sequence in [0, blocks "
+                                 f"needed], got {lo.tolist()}")
+            used &= cols >= lo[:, None]
+        read = tables[used]
+        if read.size and read.min() < 0:
+            row, col = (int(a[0]) for a in np.nonzero(used & (tables < 0)))
+            raise ValueError(f"block table entry {col} of sequence {row} is {int(tables[row, col])} "
+                             f"(released or padding), but this step's attention reads it")
+        _check_range(read, self.num_blocks, "block table entries")
         return tables, lens
 
     def paged_attention(self, layer: int, q: Any, block_tables: Any, seq_lens: Any,
-                        query_lens: Any = None, scale: float | None = None):
+                        query_lens: Any = None, scale: float | None = None, *, spec: Any = None):
         """Causal attention for a batch, reading K/V straight through the block tables.
 
         ``q`` is ``[sum(query_lens), num_heads, head_dim]``: sequence ``i``'s queries are its last
@@ -521,9 +576,29 @@ class KVStore:
         uncached tail). ``num_heads`` must be a multiple of ``kv_heads`` (grouped-query attention:
         head ``h`` reads KV head ``h // (num_heads // kv_heads)``). Returns ``[sum(query_lens),
         num_heads, head_dim]`` in the store's backend.
+
+        ``spec`` (``pagedkv.kv_specs``; default full attention) narrows what each query reads:
+        ``SlidingWindow(W)`` positions q-W+1 .. q, ``ChunkedLocalAttention(C)`` floor(q/C)*C .. q.
+        Only the blocks from the earliest query's first read on are gathered (see
+        :meth:`first_blocks`), so the entries below may be -1 (released) and a decode step costs
+        the window, not the context: ``SlidingWindow(128)``, block size 16, a decode at position 4,096 reads
+        9 blocks (3,968 .. 4,111) instead of 257.
         """
-        k, v = self.gather_padded(layer, block_tables, seq_lens)
-        return dense_attention(self._ops.asarray(q, self.kv), k, v, seq_lens, query_lens, scale)
+        lens = _as_index(seq_lens, "seq_lens")
+        first = self.first_blocks(spec, lens, query_lens)
+        k, v = self.gather_padded(layer, block_tables, lens, first)
+        offsets = None if first is None else first * self.block_size
+        return dense_attention(self._ops.asarray(q, self.kv), k, v, lens, query_lens, scale,
+                               spec=spec, key_offsets=offsets)
+
+
+def _windowed(spec: Any) -> bool:
+    """Whether an attention ``spec`` reads less than the whole prefix (None: full attention)."""
+    if spec is None or isinstance(spec, FullAttention):
+        return False
+    if not isinstance(spec, AttentionSpec):
+        raise ValueError(f"spec must be an attention spec of pagedkv.kv_specs or None, got {spec!r}")
+    return True
 
 
 def _query_layout(seq_lens: np.ndarray, query_lens: Any, num_q: int):
@@ -541,7 +616,7 @@ def _query_layout(seq_lens: np.ndarray, query_lens: Any, num_q: int):
 
 
 def dense_attention(q: Any, k: Any, v: Any, seq_lens: Any, query_lens: Any = None,
-                    scale: float | None = None):
+                    scale: float | None = None, *, spec: Any = None, key_offsets: Any = None):
     """Causal GQA attention over padded, contiguous K/V: the kernel paged attention reduces to.
 
     ``k``/``v`` are ``[batch, max_len, kv_heads, head_dim]`` (rows past ``seq_lens[i]`` ignored);
@@ -549,10 +624,15 @@ def dense_attention(q: Any, k: Any, v: Any, seq_lens: Any, query_lens: Any = Non
     ``head_dim ** -0.5`` (0.25 for head_dim 16). numpy or torch in, the same out; half precision is
     computed in float32. Softmax subtracts the row max, so a fully-visible row of equal scores gives
     exactly uniform weights.
+
+    ``spec`` (an attention spec of ``pagedkv.kv_specs``; None is full attention) masks keys below
+    ``spec.first_read(q)`` as well; ``key_offsets[i]`` (default 0) is the position of sequence
+    ``i``'s row 0 (a window gathered from its first block: ``seq_lens[i] - key_offsets[i]`` rows).
     """
     ops = _ops_for(k)
     q = ops.asarray(q, k)
-    lens = _check_attention_shapes(q, k, v, seq_lens)
+    offsets = None if key_offsets is None else _as_index(key_offsets, "key_offsets").reshape(-1)
+    lens = _check_attention_shapes(q, k, v, seq_lens, offsets)
     qlens, seq, row = _query_layout(lens, query_lens, int(q.shape[0]))
     if q.shape[0] == 0:
         return q[:0]
@@ -570,7 +650,12 @@ def dense_attention(q: Any, k: Any, v: Any, seq_lens: Any, query_lens: Any = Non
     kt, vt = ops.permute(k, (0, 2, 1, 3)), ops.permute(v, (0, 2, 1, 3))  # [batch, kv_heads, len, dim]
     scores = ((qp @ ops.swap_last(kt)) * scale).reshape(batch, kv_heads, group, qmax, max_len)
     qpos = (lens - qlens)[:, None] + np.arange(qmax)[None, :]  # [batch, qmax]
-    keep = np.arange(max_len)[None, None, :] <= qpos[:, :, None]  # causal; implies key < seq_len
+    kpos = np.arange(max_len)[None, :] if offsets is None else offsets[:, None] + np.arange(max_len)
+    keep = kpos[:, None, :] <= qpos[:, :, None]  # causal; implies key < seq_len
+    if _windowed(spec):  # a window or chunk: a lower bound too
+        last = np.minimum(qpos, (lens - 1)[:, None])  # padded query rows: keep them finite
+        low = np.array([spec.first_read(p) for p in last.ravel().tolist()]).reshape(qpos.shape)
+        keep &= kpos[:, None, :] >= low[:, :, None]
     scores = ops.masked_fill(scores, ops.index(keep[:, None, None]), -np.inf)
     weights = ops.exp(scores - ops.amax(scores))
     weights = weights / ops.sum_last(weights)
@@ -580,7 +665,7 @@ def dense_attention(q: Any, k: Any, v: Any, seq_lens: Any, query_lens: Any = Non
     return out.astype(out_dtype) if ops.name == "numpy" else out.to(out_dtype)
 
 
-def _check_attention_shapes(q, k, v, seq_lens) -> np.ndarray:
+def _check_attention_shapes(q, k, v, seq_lens, offsets=None) -> np.ndarray:
     """Validate ``q [tokens, heads, dim]`` against padded ``k``/``v``; return ``seq_lens`` as int64."""
     lens = _as_index(seq_lens, "seq_lens")
     if q.ndim != 3 or k.ndim != 4 or tuple(k.shape) != tuple(v.shape):
@@ -590,8 +675,12 @@ def _check_attention_shapes(q, k, v, seq_lens) -> np.ndarray:
     if int(q.shape[2]) != dim or int(q.shape[1]) % kv_heads:
         raise ValueError(f"q {tuple(q.shape)} does not fit k {tuple(k.shape)}: same head_dim, "
                          "and heads a multiple of kv_heads")
-    if lens.shape != (batch,) or (lens.size and (lens.min() < 0 or lens.max() > max_len)):
-        raise ValueError(f"seq_lens must be {batch} lengths in [0, {max_len}], got {lens.tolist()}")
+    rows = lens if offsets is None or offsets.shape != lens.shape else lens - offsets
+    if offsets is not None and (offsets.shape != lens.shape or (offsets.size and offsets.min() < 0)):
+        raise ValueError(f"key_offsets must be {batch} positions >= 0, got {offsets.tolist()}")
+    if lens.shape != (batch,) or (lens.size and (rows.min() < 0 or rows.max() > max_len)):
+        raise ValueError(f"seq_lens must be {batch} lengths in [0, {max_len}] (after key_offsets), "
+                         f"got {lens.tolist()}")
     return lens
 
 

@@ -9,7 +9,13 @@ so that the fork counters and the negative control's alias map stay in step with
 
 Owns: the store, the per-call counters (:class:`~pagedkv.engine.records.EngineStats`) and the
 alias map of the ``copy_on_write=False`` control (a block a copy went to -> the shared block the
-child keeps writing instead). Worked example of the control: a fork's child appends into a shared
+child keeps writing instead). A hybrid model (more than one KV cache group, ``model.kv_groups``)
+runs on a grouped manager (``KVCacheManager(..., groups=list(model.kv_groups))``): the loops
+hand over group 0's slots (what ``prefill`` / ``append_*`` return), and the executor asks the
+manager for every other group's slots of the same positions and for one table per group, as
+vLLM's per-group slot mappings (a decode step of two sequences on ``[Sliding(7), Full]``: two
+slot arrays of 2 entries and two ``[2, blocks]`` tables). Block ids are one pool's, so the
+alias map serves every group. Worked example of the control: a fork's child appends into a shared
 partial block 7; the manager queues the copy ``(7, 12)`` and gives the child block 12; the
 executor drops the copy and rewrites every 12 in the child's slots and table to 7, so parent and
 child write the same slots and the last writer wins.
@@ -63,6 +69,10 @@ class Executor:
         self.copy_on_write = copy_on_write
         self.run_transfers = run_transfers
         self.tiered = tiered
+        self.num_groups = getattr(manager, "num_groups", 1)  # KV cache groups: tables per sequence
+        # a grouped manager releases blocks as windows move: room is not free blocks x block size
+        self.releases = self.num_groups > 1 or any(
+            getattr(g, "kind", None) != "full_attention" for g in getattr(manager, "groups", ()) or ())
         self.stats = EngineStats()
         self.step_transfers = 0  # transfers the last forward drained
         self._alias: dict[int, int] = {}  # copy_on_write=False: block a copy went to -> its source
@@ -73,18 +83,38 @@ class Executor:
 
     def fork(self, parent: Hashable, child: Hashable) -> None:
         """``manager.fork``, counting what an eager copy of the parent's table would have cost."""
-        self.stats.eager_fork_blocks += len(self.manager.block_table(parent))
+        self.stats.eager_fork_blocks += self.live_blocks(parent)
         self.stats.forks += 1
         self.manager.fork(parent, child)
 
     def free(self, seq_id: Hashable, cache: bool = True) -> None:
         """``manager.free``; under the control, forget the aliases of blocks nobody holds now."""
-        table = self.manager.block_table(seq_id)
+        if not self._alias:
+            self.manager.free(seq_id, cache=cache)
+            return
+        tables = [self.manager.block_table(seq_id, group=g) for g in range(self.num_groups)]
         self.manager.free(seq_id, cache=cache)
-        if self._alias:
+        for table in tables:
             for b in table:
                 if b in self._alias and self.manager.refcount(b) == 0:
                     del self._alias[b]
+
+    def held_blocks(self, seq_id: Hashable) -> int:
+        """Entries of the sequence's tables, summed over groups (released ones included): the
+        change across ``accept`` is what it gave back to the pool."""
+        m = self.manager
+        if self.num_groups == 1:
+            return len(m.block_table(seq_id))
+        return sum(len(m.block_table(seq_id, group=g)) for g in range(self.num_groups))
+
+    def live_blocks(self, seq_id: Hashable) -> int:
+        """Blocks the sequence holds over every group (released entries, -1, not counted): what
+        copying its tables at a fork would copy. Example: ``[Sliding(8), Full]``, block size 4,
+        20 positions: 2 + 5 = 7 (the window's group released its first 3)."""
+        m = self.manager
+        if self.num_groups == 1:
+            return len(m.block_table(seq_id))
+        return sum(sum(1 for b in m.block_table(seq_id, group=g) if b >= 0) for g in range(self.num_groups))
 
     def forward_last(self, ids, feeds, slots) -> list[np.ndarray]:
         """:meth:`forward_rows` with ``num_tokens`` as each length; each sequence's last logits."""
@@ -102,17 +132,42 @@ class Executor:
         m = self.manager
         self.stats.steps += 1
         self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, m.num_blocks - m.num_free_blocks)
-        tables = m.block_tables(ids)
         qlens = [len(f) for f in feeds]
+        if self.num_groups == 1:
+            tables = m.block_tables(ids)
+        else:
+            slots, tables = self._group_inputs(ids, slots, lens, qlens)
         if self.copy_on_write:
             return self._model_step(feeds, slots, tables, lens, qlens)
-        bs, slots = m.block_size, np.asarray(slots, dtype=np.int64)
-        tables, slots = self._aliased(tables), self._aliased(slots // bs) * bs + slots % bs
+        if self.num_groups == 1:
+            return self._one_at_a_time(feeds, self._aliased_slots(slots), self._aliased(tables), lens, qlens,
+                                       lambda t, a, b: t[a:b], lambda t, i: t[i:i + 1])
+        slots = [self._aliased_slots(s) for s in slots]
+        tables = [self._aliased(t) for t in tables]
+        return self._one_at_a_time(feeds, slots, tables, lens, qlens,
+                                   lambda t, a, b: [x[a:b] for x in t], lambda t, i: [x[i:i + 1] for x in t])
+
+    def _group_inputs(self, ids, slots, lens, qlens) -> tuple[list, list]:
+        """One slot array and one table per group: group 0's slots as the loops gave them, the
+        other groups' from ``manager.slots(id, start, stop, group=g)`` for the same positions
+        (sequence i's queries are positions ``lens[i] - qlens[i] .. lens[i]``)."""
+        m = self.manager
+        out = [np.asarray(slots, dtype=np.int64)]
+        for g in range(1, self.num_groups):
+            out.append(np.concatenate([m.slots(i, n - q, n, group=g) for i, n, q in zip(ids, lens, qlens)]))
+        return out, [m.block_tables(ids, group=g) for g in range(self.num_groups)]
+
+    def _one_at_a_time(self, feeds, slots, tables, lens, qlens, cut, row) -> list[np.ndarray]:
+        """The control's forwards, one sequence each: colliding writes land in a fixed order."""
         out, start = [], 0
-        for i, q in enumerate(qlens):  # one at a time: colliding writes land in a fixed order
-            out += self._model_step([feeds[i]], slots[start:start + q], tables[i:i + 1], lens[i:i + 1], [q])
+        for i, q in enumerate(qlens):
+            out += self._model_step([feeds[i]], cut(slots, start, start + q), row(tables, i), lens[i:i + 1], [q])
             start += q
         return out
+
+    def _aliased_slots(self, slots) -> np.ndarray:
+        bs, slots = self.manager.block_size, np.asarray(slots, dtype=np.int64)
+        return self._aliased(slots // bs) * bs + slots % bs
 
     def _run_transfers(self) -> None:
         """Before the copies: the host tier's transfers, ``to_host`` batch then ``to_device``
@@ -140,8 +195,8 @@ class Executor:
             self.stats.copied_bytes += self.store.copy_blocks(copies)
             self.stats.copied_blocks += len(copies)
         else:  # negative control: keep using the shared source block, as if never copied
-            for src, dst in copies:
-                self._alias[dst] = self._alias.get(src, src)
+            for c in copies:  # CopyOp(src, dst, group): block ids are one pool's, whatever the group
+                self._alias[c[1]] = self._alias.get(c[0], c[0])
 
     def _model_step(self, feeds, slots, tables, lens, qlens) -> list[np.ndarray]:
         toks = [t for f in feeds for t in f]

@@ -49,6 +49,11 @@ class Engine:
     pool of ``N`` blocks, and its transfers run every step; ``preemption="swap"`` (step loop
     only) swaps preempted requests out instead of recomputing them; ``run_transfers=False`` is
     the host tier's negative control (see the module docstring).
+
+    A hybrid model (``model.kv_groups``: sliding-window, chunked-local and full layers) needs a
+    grouped manager with the same groups, ``KVCacheManager(..., groups=list(model.kv_groups))``
+    (else ``ValueError``); both loops then hand the model one slot array and one table per
+    group. The grouped manager has no host tier yet, so ``preemption="swap"`` is out of reach.
     """
 
     def __init__(self, model: Any, manager: Any, store: Any = None, *, copy_on_write: bool = True,
@@ -62,6 +67,7 @@ class Engine:
         if publish_at_admission and token_budget is None and chunk_size is None:
             raise ValueError("publish_at_admission is a control of chunked prefill: set a token_budget "
                              "or a chunk_size")
+        self._check_groups(model, manager)
         host = manager.num_host_blocks
         self._check_host_options(host, preemption, run_transfers)
         if store is None:
@@ -80,6 +86,22 @@ class Engine:
         self._steps = StepLoop(self._executor, token_budget=token_budget, chunk_size=chunk_size,
                                speculator=speculator, publish_at_admission=publish_at_admission,
                                preemption=preemption)
+
+    @staticmethod
+    def _check_groups(model: Any, manager: Any) -> None:
+        """A hybrid model needs a manager with its KV cache groups, in its order: layer i reads
+        group ``dims.layer_groups[i]``'s table, so ``groups=list(model.kv_groups)``. One
+        full-attention group, or none said (an older duck-typed model or manager), is the plain
+        case on either side."""
+        def groups(obj: Any, name: str) -> tuple:
+            g = tuple(getattr(obj, name, None) or ())
+            return () if len(g) == 1 and getattr(g[0], "kind", None) == "full_attention" else g
+
+        mine, theirs = groups(model, "kv_groups"), groups(manager, "groups")
+        if mine != theirs:
+            raise ValueError(f"the model's KV cache groups {list(mine) or 'full attention'} are not the "
+                             f"manager's {list(theirs) or 'full attention'}: build it as "
+                             f"KVCacheManager(..., groups=list(model.kv_groups))")
 
     @staticmethod
     def _check_host_options(host: int, preemption: Any, run_transfers: Any) -> None:

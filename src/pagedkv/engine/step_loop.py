@@ -61,6 +61,7 @@ class StepWork:
     req: StepRequest | None = None  # set for a prompt chunk
     drafts: list[int] = field(default_factory=list)
     proposed: bool = False  # the speculator proposed for this sequence this step
+    joint: bool = False  # the last token was scheduled with the drafts, as a draft: accept it too
 
 
 class StepLoop:
@@ -240,22 +241,33 @@ class StepLoop:
                     spec.settle(seq, 0)
                 continue
             lv = self._running[seq]
-            slot = self._append_or_preempt(seq, lv.sample.tokens[-1], lv.req, scheduled, out)
-            if slot is None:
-                short = True
-                if seq in proposals:
-                    spec.settle(seq, 0)
-                continue
-            scheduled.add(lv.req)
             drafts = [int(t) for t in proposals.get(seq, ())][:k]
-            slots = [slot]
-            if drafts:
+            joint = False
+            if drafts and self.ex.releases:
+                # one call: a grouped manager releases, at each call, what the committed count
+                # lets go; a second call this step would count the last token as run and
+                # release the block its query still reads (window W: position p reads p-W+1)
                 try:
-                    slots += m.append_tokens(seq, drafts, speculative=True)
+                    slots = list(m.append_tokens(seq, [lv.sample.tokens[-1]] + drafts, speculative=True))
+                    joint = True
                 except OutOfBlocks:  # no room for drafts: a plain decode step
                     drafts = []
+            if not joint:
+                slot = self._append_or_preempt(seq, lv.sample.tokens[-1], lv.req, scheduled, out)
+                if slot is None:
+                    short = True
+                    if seq in proposals:
+                        spec.settle(seq, 0)
+                    continue
+                slots = [slot]
+                if drafts:
+                    try:
+                        slots += m.append_tokens(seq, drafts, speculative=True)
+                    except OutOfBlocks:  # no room for drafts: a plain decode step
+                        drafts = []
+            scheduled.add(lv.req)
             work.append(StepWork(seq, [lv.sample.tokens[-1]] + drafts, np.asarray(slots, dtype=np.int64),
-                              m.num_computed(seq), drafts=drafts, proposed=seq in proposals))
+                              m.num_computed(seq), drafts=drafts, proposed=seq in proposals, joint=joint))
             out.decode_tokens += 1 + len(drafts)
             out.draft_tokens += len(drafts)
             budget -= 1 + len(drafts)
@@ -383,15 +395,47 @@ class StepLoop:
         m = self.manager
         return len(m.block_table(seq)) * m.block_size - m.num_computed(seq) + m.num_free_blocks * m.block_size
 
+    def _tail(self, seq: Hashable) -> int:
+        """Positions left in the sequence's last block (every group's table has its length)."""
+        m = self.manager
+        return len(m.block_table(seq)) * m.block_size - m.num_computed(seq)
+
+    def _fit(self, call, n: int, tail: int):
+        """A hybrid model's chunk: ``call(n)``, or on ``OutOfBlocks`` the most positions the
+        pool allows, ``call(k)``; ``(result, positions)``, or None when not even one fits.
+
+        A grouped manager takes a chunk's blocks in every group but first releases what the
+        windows let go, so the room is not ``free blocks x block size``; the failed call changed
+        nothing and its ``available`` (free blocks plus the releases) is exact: ``k = tail +
+        (available // groups) x block_size``. Example: block size 4, two groups, 5 available, an
+        empty tail: 2 blocks a group, k = 8 positions. Without this, a prompt under a small
+        window that only its own releases make room for would never be scheduled (vLLM #39734).
+        """
+        try:
+            return call(n), n
+        except OutOfBlocks as e:
+            k = min(n - 1, tail + e.available // self.ex.num_groups * self.manager.block_size)
+        if k < 1:
+            return None
+        try:
+            return call(k), k
+        except OutOfBlocks:
+            return None
+
     def _next_chunk(self, req: StepRequest, budget: int) -> StepWork | None:
         n = min(budget, self._chunk_cap, len(req.prompt) - req.done)
         if self.publish_at_admission:  # the control: every block is already allocated and published
             slots = self.manager.slots(req.seq, req.done, req.done + n)
-        else:
+        elif not self.ex.releases:
             n = min(n, self._room(req.seq))
             if n < 1:
                 return None
             slots = self.manager.prefill(req.seq, n)
+        else:
+            got = self._fit(lambda k: self.manager.prefill(req.seq, k), n, self._tail(req.seq))
+            if got is None:
+                return None
+            slots, n = got
         start, req.done = req.done, req.done + n
         return StepWork(req.seq, req.prompt[start:req.done], slots, req.done, req=req)
 
@@ -407,7 +451,14 @@ class StepLoop:
                 k = min(budget, self._chunk_cap, m.num_free_blocks * m.block_size)
                 if k < 1:
                     return None
-                hit = m.add_sequence(seq, req.prompt, cache_salt=req.cache_salt, prefill=k)
+                if not self.ex.releases:
+                    hit = m.add_sequence(seq, req.prompt, cache_salt=req.cache_salt, prefill=k)
+                else:  # a hit starts on a block boundary: its chunk's tail is empty
+                    got = self._fit(lambda j: m.add_sequence(seq, req.prompt, cache_salt=req.cache_salt,
+                                                             prefill=j), k, 0)
+                    if got is None:
+                        return None
+                    hit = got[0]
                 stop = m.num_computed(seq)
         except OutOfBlocks:
             return None
@@ -452,9 +503,9 @@ class StepLoop:
             break
         if w.drafts:
             m = self.manager
-            before = len(m.block_table(w.seq))
-            m.accept(w.seq, accepted)
-            freed = before - len(m.block_table(w.seq))
+            before = self.ex.held_blocks(w.seq)
+            m.accept(w.seq, accepted + w.joint)
+            freed = before - self.ex.held_blocks(w.seq)
             st = self.ex.stats
             st.verify_steps += 1
             st.draft_tokens += len(w.drafts)
