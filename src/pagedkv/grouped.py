@@ -65,6 +65,7 @@ from .types import (AllBlocksCleared, BlockRemoved, BlockStored, CopyOp, OutOfBl
 __all__ = ["GroupedKVCacheManager", "next_release"]
 
 _BIG_ENDIAN = sys.byteorder == "big"
+WINDOW_EVICTIONS = ("with_prefix", "on_release")
 _NEVER = 1 << 62  # a committed count no sequence reaches: "no release is ever due"
 MEMO_ENTRIES = 256
 MEMO_BLOCKS = 1 << 16
@@ -198,7 +199,11 @@ class GroupedKVCacheManager(KVCacheManager):
         host_blocks: int = 0,
         host_write_policy: str = "write-back",
         groups: Sequence[AttentionSpec] | None = None,
+        window_eviction: str = "with_prefix",
     ) -> None:
+        if window_eviction not in WINDOW_EVICTIONS:
+            raise ValueError(f"window_eviction must be one of {', '.join(WINDOW_EVICTIONS)}, got "
+                             f"{window_eviction!r}")
         specs = check_groups([FullAttention()] if groups is None else groups)
         block_size = int_at_least("block_size", block_size, 1)
         if block_size > 2**31 - 1:
@@ -215,6 +220,7 @@ class GroupedKVCacheManager(KVCacheManager):
                              f"{host_write_policy!r}")
         self._specs = specs
         self._ng = len(specs)
+        self._window_eviction = window_eviction
         # groups that ever release (sliding, chunked): (index, spec)
         self._local = tuple((g, s) for g, s in enumerate(specs) if type(s) is not FullAttention)
         # the same, as (group, window or 0, chunk or 0): the decode slow path's inlined rule
@@ -975,14 +981,40 @@ class GroupedKVCacheManager(KVCacheManager):
         if s.unscheduled or s.drafts:
             self._unready -= 1
         tables = s.tables
-        order = [b for i in range(len(tables[0]) - 1, -1, -1) for t in tables for b in (t[i],) if b >= 0]
         rc = self._pool.refcount
+        if cache and self._window_eviction == "with_prefix" and self._local and self._cache is not None:
+            tables = self._with_released(s, rc)
+        order = [b for i in range(len(tables[0]) - 1, -1, -1) for t in tables for b in (t[i],) if b >= 0]
         self._let_go(order, rc)
         if not cache and self._cache is not None:
             mine = [b for t in tables for b in t[s.written:] if b >= 0 and rc(b) == 1]
             if mine:
                 self._cache.unpublish(mine)
         self._pool.release_all(order)
+
+    def _with_released(self, s: _GSeq, rc) -> list:
+        """The sequence's tables with the full blocks its windows released earlier put back where
+        they are still cached-free (revived here; ``free`` releases them again with the rest), so
+        a finished prefix's blocks of every group age together.
+
+        Why (``window_eviction="with_prefix"``, the default): a window block released mid-sequence
+        is the least recently freed block of its prefix, so plain LRU evicts it first; then the
+        prefix's full-attention blocks, all still cached, can hit nothing past the last point a
+        whole window survives (the "reuse cliff", vLLM #48435). Re-aged with the prefix, eviction
+        takes every group's block i before any group's block i - 1: the cached prefix shortens
+        from its tail and every shorter prefix still hits. ``"on_release"`` keeps plain LRU order.
+        """
+        get, hashes, revive = self._cache.get, s.hashes, self._pool.revive
+        tables = [list(t) for t in s.tables]
+        for g, _spec in self._local:
+            table = tables[g]
+            for i in range(min(s.low[g], len(hashes))):
+                if table[i] < 0:
+                    b = get((g, hashes[i]))
+                    if b is not None and rc(b) == 0:
+                        revive(b)
+                        table[i] = b
+        return tables
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash of every group; refused (False) while any block is in use."""
