@@ -47,7 +47,8 @@ def test_section_is_registered_and_whole(quick_section):
     assert SECTIONS["hybrid"] == "hybrid"
     sec = quick_section
     assert sec.key == "hybrid"
-    assert len(sec.tables) == 4  # memory, one page-layout table per model, the grouped serving run
+    # memory, one page-layout table per model, the grouped serving run, the hit cost (--quick: one model)
+    assert len(sec.tables) == 5
     for t in sec.tables:
         assert t.rows
         for row in t.rows:
@@ -71,9 +72,23 @@ def test_layout_replay_says_one_pool_beats_every_split(quick_section):
     assert gemma["equal pages, 2 layers/page"]["padding_share"] == 0
 
 
-def test_the_serving_hook_adds_the_grouped_serving_table(quick_section):
+def test_the_grouped_runs_add_the_serving_and_hit_cost_tables(quick_section):
     titles = [t.title for t in quick_section.tables]
     assert sum(title.startswith("Serving gpt-oss-20b") for title in titles) == 1
+    assert sum("hybrid rule against full attention" in title for title in titles) == 1
+
+
+def test_hit_cost_rows_are_measured_and_ordered(quick_section):
+    """The quick hit-cost run (gpt-oss-20b, one budget): each figure is a share, and the order
+    that ages window blocks with their prefix never does worse than plain LRU here."""
+    data = quick_section.data["hit_cost"]
+    assert data["requests"] == 120 and len(data["rows"]) == 1
+    row = data["rows"][0]
+    assert row["grouped_blocks"] in (2 * row["uniform_blocks"], 2 * row["uniform_blocks"] + 1)  # half pages
+    for key in ("uniform", "with_prefix", "on_release"):
+        assert 0 <= row[key] < 1
+    assert row["with_prefix"] >= row["on_release"]
+    assert any(text.startswith("gpt-oss-20b (budgets 1/4") for text in quick_section.text)
 
 
 def test_section_refuses_bad_options():

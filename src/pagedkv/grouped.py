@@ -465,8 +465,7 @@ class GroupedKVCacheManager(KVCacheManager):
             for g, a, b in due:
                 for blk in s.tables[g][a:b]:
                     count[blk] = count.get(blk, 0) + 1
-        rc = self._pool.refcount
-        return [b for b, k in count.items() if rc(b) == k]
+        return self._pool.freed_by(count)
 
     def _release(self, s: _GSeq, due: list) -> None:
         """Release the runs ``_due`` named: entries read -1, blocks go back (tail first, so that
@@ -1004,16 +1003,15 @@ class GroupedKVCacheManager(KVCacheManager):
         takes every group's block i before any group's block i - 1: the cached prefix shortens
         from its tail and every shorter prefix still hits. ``"on_release"`` keeps plain LRU order.
         """
-        get, hashes, revive = self._cache.get, s.hashes, self._pool.revive
+        hashes, revive_keyed = s.hashes, self._pool.revive_keyed
         tables = [list(t) for t in s.tables]
         for g, _spec in self._local:
             table = tables[g]
-            for i in range(min(s.low[g], len(hashes))):
-                if table[i] < 0:
-                    b = get((g, hashes[i]))
-                    if b is not None and rc(b) == 0:
-                        revive(b)
-                        table[i] = b
+            stop = min(s.low[g], len(hashes))
+            gone = [i for i in range(stop) if table[i] < 0]
+            for i, b in zip(gone, revive_keyed([(g, hashes[i]) for i in gone])):
+                if b is not None:
+                    table[i] = b
         return tables
 
     def reset_prefix_cache(self) -> bool:

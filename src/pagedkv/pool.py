@@ -148,6 +148,30 @@ class BlockPool:
         """The block carrying ``key`` (in use or cached-free), or None."""
         return self._blocks.get(key)
 
+    def freed_by(self, drops: dict[int, int]) -> list[int]:
+        """The blocks that dropping ``drops[b]`` references from each block ``b`` would free
+        (their refcount is exactly that), in ``drops``' order; changes nothing. A grouped
+        manager asks this before a window release, whose freed blocks can serve the same call."""
+        rc = self._rc
+        return [b for b, k in drops.items() if rc[b] == k]
+
+    def revive_keyed(self, keys: Iterable[Hashable]) -> list[Optional[int]]:
+        """For each key, its block revived (refcount 1, out of the LRU) when it is cached-free,
+        else None (no block carries the key, or its block is in use): one pass, no per-block
+        call. A grouped manager re-ages a finished sequence's released window blocks this way
+        before releasing them again with the rest of its prefix."""
+        blocks, rc, lru = self._blocks, self._rc, self._lru
+        out: list[Optional[int]] = []
+        for key in keys:
+            b = blocks.get(key)
+            if b is not None and b in lru:
+                del lru[b]
+                rc[b] = 1
+                out.append(b)
+            else:
+                out.append(None)
+        return out
+
     def held_prefix(self, keys: Sequence[Hashable], limit: int) -> list[int]:
         """The blocks carrying ``keys[:k]``, for the largest ``k <= limit`` such that all do: a
         prompt's cached prefix, one dict probe a key, stopping at the first miss (chained hashes

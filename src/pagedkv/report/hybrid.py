@@ -2,8 +2,8 @@
 
 Owns the "hybrid models" section of ``pagedkv report`` (issue 19, item 7's first part and item 3).
 Reads model configs through :mod:`pagedkv.sim.sizing` and replays trace lengths through
-:mod:`pagedkv.sim.page_layout`; runs no manager (the grouped manager's serving run and the hit
-rate's cost go in :func:`grouped_serving_tables`, the hook below).
+:mod:`pagedkv.sim.page_layout`; the runs on the real grouped manager (a serving run, and the hit
+rule's cost on Mooncake: items 2 and 7) are :func:`grouped_runs`'.
 
 gpt-oss, Gemma 3, Command R7B and Llama 4 Scout give most of their layers a sliding window or a
 local chunk. A uniform allocator keeps every layer's K/V for the whole context; grouped, each
@@ -26,7 +26,7 @@ from .tables import Section, Table
 from .options import ReportOptions
 
 __all__ = ["section", "MODELS", "CONTEXTS", "LAYOUT_MODELS", "memory_rows", "layout_budget",
-           "grouped_serving_tables"]
+           "grouped_runs"]
 
 MODELS = ("gpt-oss-20b", "gpt-oss-120b", "Gemma-3-4B", "Gemma-3-12B", "Gemma-3-27B", "Command-R7B",
           "Llama-4-Scout")
@@ -170,14 +170,19 @@ def _verdict(model: str, rows: dict) -> str:
     return text + "."
 
 
-def grouped_serving_tables(opts: ReportOptions) -> list[Table]:
-    """Hook for issue 19's grouped serving run and hit-rate cost (items 2 and 7): gpt-oss-20b
-    served on a real trace by the grouped manager, uniform against grouped (concurrency,
-    throughput, preemptions), and the hit rate under the hybrid rule against full attention at
-    the same memory, with its plot. A table left out (a trace missing) is absent, never an n/a row."""
+def grouped_runs(opts: ReportOptions) -> tuple[list[Table], dict, list[str]]:
+    """Issue 19's runs on the real grouped manager (items 2 and 7): gpt-oss-20b served on a real
+    trace, uniform against grouped (concurrency, throughput, preemptions:
+    :mod:`.hybrid_serving`), and the hit rate under the hybrid rule against full attention at the
+    same memory, with the reuse cliff and the eviction order that removes it
+    (:mod:`.hybrid_hits`). Tables, data and finding sentences; a table left out (a trace
+    missing) is absent, never an n/a row."""
+    from .hybrid_hits import hit_cost_tables
     from .hybrid_serving import serving_tables
 
-    return [*serving_tables(opts)[0]]
+    serving, serving_data, serving_text = serving_tables(opts)
+    hits, hits_data, hits_text = hit_cost_tables(opts)
+    return [*serving, *hits], {"serving": serving_data, "hit_cost": hits_data}, [*serving_text, *hits_text]
 
 
 def section(opts: ReportOptions) -> Section:
@@ -186,12 +191,13 @@ def section(opts: ReportOptions) -> Section:
         raise ValueError(f"opts must be ReportOptions, got {type(opts).__name__}")
     rows = memory_rows()
     layout_tables, layout_data, text = _layout_tables(opts)
+    grouped_tables, grouped_data, grouped_text = grouped_runs(opts)
     return Section(
         key="hybrid",
         heading="Hybrid models: KV per attention group, and page layouts",
         intro=(__doc__ or "").split("\n\n")[2].replace("\n", " "),
-        tables=[_memory_table(rows), *layout_tables, *grouped_serving_tables(opts)],
-        text=text,
+        tables=[_memory_table(rows), *layout_tables, *grouped_tables],
+        text=[*text, *grouped_text],
         data={"memory": {m: {str(n): r for n, r in by.items()} for m, by in rows.items()},
-              "page_layouts": layout_data, "model": ", ".join(MODELS)},
+              "page_layouts": layout_data, **grouped_data, "model": ", ".join(MODELS)},
     )
