@@ -18,7 +18,8 @@ mean: the spread between the passes is the harness's own noise, to be reported w
 
 Rows: one ``append_batch`` decode step of the 256 sequences (one in 16 fills a block and
 publishes it), ``append_token`` into a block with room, and the admission of a 1,000-token prompt
-that hits nothing (freed uncached after each sample). When both trees have contract v2, also:
+that hits nothing (freed uncached after each sample), ``fork`` of a 2,048-token sequence and
+``free`` of one (alternately a shared child and a sole holder). When both trees have contract v2, also:
 one 512-token ``prefill`` chunk (the next chunk of an 8,192-token prompt admitted with
 ``prefill=0``), four speculative drafts plus ``accept(id, 2)``, and the admission and the first
 ``lookup`` of 1,000-token prompts whose 62 full blocks are cached (distinct prompts, so no lookup
@@ -66,6 +67,8 @@ def workload(rounds: int, seed: int = 0) -> dict:
     }
 
 
+FORK_TOKENS = 2048  # the fork and free rows: a 2,048-token sequence, 128 blocks (DESIGN's targets)
+FORK_ROWS = ("fork, 2,048 tokens", "free, 2,048 tokens")
 REPLAY_ROWS = ("replay: per admission", "replay: per decoded token")
 
 
@@ -169,6 +172,26 @@ def time_v2(m, wl: dict, i: int, res: dict, clock) -> None:
     m.take_events()
 
 
+def time_fork_free(m, res: dict, clock) -> None:
+    """One sample of each: ``fork`` of the 2,048-token sequence, then ``free`` of the child
+    (every block shared: 128 decrefs), alternating with the free of the parent (128 blocks back
+    to the free list, cached-free), which is then readmitted (untimed, hitting its own blocks)."""
+    t0 = clock()
+    m.fork("fk", "fk.c")
+    res[FORK_ROWS[0]].append(clock() - t0)
+    if len(res[FORK_ROWS[0]]) % 2:
+        t0 = clock()
+        m.free("fk.c")
+        res[FORK_ROWS[1]].append(clock() - t0)
+    else:
+        m.free("fk.c")
+        t0 = clock()
+        m.free("fk")
+        res[FORK_ROWS[1]].append(clock() - t0)
+        m.add_sequence("fk", list(range(50_000, 50_000 + FORK_TOKENS)))
+    m.take_events()
+
+
 def build(pkg, wl: dict, rounds: int, kw: dict):
     need = int(sum(-(-(int(n) + rounds + 20) // BLOCK_SIZE) for n in wl["lens"]))
     m = pkg.KVCacheManager(num_blocks=need + 4096, block_size=BLOCK_SIZE, **kw)
@@ -176,6 +199,7 @@ def build(pkg, wl: dict, rounds: int, kw: dict):
     for sid, prompt in zip(ids, wl["prompts"]):
         m.add_sequence(sid, prompt)
     m.add_sequence("one", list(range(17)))
+    m.add_sequence("fk", list(range(50_000, 50_000 + FORK_TOKENS)))
     m.take_events()
     m.take_copies()
     return m, ids
@@ -187,7 +211,7 @@ def run(pkgs: dict, wl: dict, rounds: int, kw: dict) -> dict:
     v2_state = {name: build_v2(pkg, wl, kw) for name, pkg in pkgs.items()} if v2 else {}
     rows = ("append_batch, 256 seqs", "append_token, room in block", "admission, 1,000 tokens, no hit")
     rows += V2_ROWS if v2 else ()
-    rows += REPLAY_ROWS
+    rows += FORK_ROWS + REPLAY_ROWS
     out = {name: {r: [] for r in rows} for name in pkgs}
     clock = time.perf_counter_ns
     names = list(pkgs)
@@ -213,6 +237,7 @@ def run(pkgs: dict, wl: dict, rounds: int, kw: dict) -> dict:
                     res[rows[2]].append(clock() - t0)
                     m.free("adm", cache=False)
                     m.take_events()
+                    time_fork_free(m, res, clock)
                 if v2:
                     time_v2(v2_state[name], wl, i, res, clock)
             if i % 200 == 199:

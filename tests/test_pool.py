@@ -581,3 +581,28 @@ def test_a_raising_callback_on_a_single_eviction_also_leaves_the_pool_consistent
         p.allocate_one()
     p.check_invariants()
     assert (p.num_free, p.num_clean, p.num_cached) == (1, 1, 0)
+
+
+def test_freed_by_names_the_blocks_a_release_would_free():
+    """A grouped manager's window release: which blocks it frees, asked before it happens."""
+    p = BlockPool(8)
+    a, b, c = p.allocate(3)
+    p.incref(b)  # b is held twice (a fork)
+    assert p.freed_by({a: 1, b: 1, c: 1}) == [a, c]
+    assert p.freed_by({b: 2}) == [b]
+    assert p.refcounts()[:3] == [1, 2, 1]  # nothing changed
+
+
+def test_revive_keyed_revives_only_cached_free_blocks():
+    """Re-aging released window blocks: a cached-free block comes back with refcount 1 and leaves
+    the LRU; a key no block carries, or whose block is in use, gives None."""
+    p = BlockPool(8)
+    a, b = p.allocate(2)
+    p.set_keys([a, b], ["ka", "kb"])
+    p.release(a)  # cached-free
+    assert p.revive_keyed(["ka", "kb", "nope"]) == [a, None, None]
+    assert (p.refcount(a), p.refcount(b), p.num_cached) == (1, 1, 0)
+    p.release_all([b, a])  # released again, a now the most recently freed
+    got = p.allocate(7)  # six never-used blocks, then the least recently freed: b
+    assert b in got and a not in got and p.num_cached == 1
+    p.check_invariants()
