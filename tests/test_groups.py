@@ -99,12 +99,30 @@ def test_grouped_manager_refuses_what_it_does_not_take():
     assert m.take_transfers() == [] and m.num_host_blocks == 0 and m.num_swapped_blocks("a") == 0
 
 
-def test_every_public_method_is_overridden():
+# Public names the grouped manager inherits: their bodies read only structures both managers keep
+# under the same names (the pool, the sequence dict, the event log, the copy queue...).
+INHERITED = {"block_size", "num_blocks", "hash_algo", "prefix_caching", "num_free_blocks",
+             "num_sequences", "__contains__", "seq_ids", "num_tokens", "num_computed", "num_drafts",
+             "tokens", "refcount", "take_copies", "take_events"}
+
+
+def test_every_public_method_is_overridden_or_reads_shared_state():
     """The grouped manager subclasses the plain one: no public name may fall through to an
-    implementation that knows one table per sequence."""
+    implementation that knows one table per sequence. A name it inherits must read only
+    attributes a grouped manager sets itself, and none of a sequence's single-table fields."""
+    import inspect
+    import re
+
     names = {n for n in dir(KVCacheManager) if not n.startswith("_")} | {"__contains__", "__init__"}
     missing = sorted(n for n in names if n not in GroupedKVCacheManager.__dict__)
-    assert missing == []
+    assert missing == sorted(INHERITED)
+    m = KVCacheManager(8, 4, groups=[FullAttention(), SlidingWindow(8)])
+    for name in INHERITED | {"_seq"}:
+        attr = inspect.getattr_static(KVCacheManager, name)
+        source = inspect.getsource(getattr(attr, "fget", attr))
+        used = set(re.findall(r"self\.(_\w+)", source))
+        assert all(a in vars(m) or a in INHERITED | {"_seq"} for a in used), (name, used)
+        assert not re.search(r"\.(table|mirror|nxt|host)\b", source), name
 
 
 # ---- release as the window moves ---------------------------------------------------------------

@@ -40,14 +40,11 @@ Not thread-safe: one engine thread calls it. It pickles to an equal state.
 from __future__ import annotations
 
 import hashlib
-import operator
-import sys
 from array import array
 from collections import Counter, OrderedDict
-from collections.abc import Sequence as SequenceABC
 from itertools import chain
 from operator import itemgetter
-from typing import Any, Collection, Hashable, Iterable, Sequence
+from typing import Any, Hashable, Iterable, Sequence
 
 import numpy as np
 
@@ -58,13 +55,17 @@ from .kv_specs import AttentionSpec, ChunkedLocalAttention, FullAttention, Slidi
 from .manager import KVCacheManager
 from .pool import MAX_BLOCKS, BlockPool
 from .copy_queue import CopyQueue
+from .sequences import as_token as _as_token
+from .sequences import id_sequence as _id_sequence
+from .sequences import known as _known
+from .sequences import le_bytes as _le_bytes
+from .sequences import token_array as _token_array
 from .prefix_cache import PrefixCache
-from .types import (AllBlocksCleared, BlockRemoved, BlockStored, CopyOp, OutOfBlocks, PrefixHit,
+from .types import (AllBlocksCleared, BlockRemoved, BlockStored, OutOfBlocks, PrefixHit,
                     Transfer, Usage)
 
 __all__ = ["GroupedKVCacheManager", "next_release"]
 
-_BIG_ENDIAN = sys.byteorder == "big"
 WINDOW_EVICTIONS = ("with_prefix", "on_release")
 _NEVER = 1 << 62  # a committed count no sequence reaches: "no release is ever due"
 MEMO_ENTRIES = 256
@@ -265,27 +266,6 @@ class GroupedKVCacheManager(KVCacheManager):
         return self._specs
 
     @property
-    def block_size(self) -> int:
-        return self._bs
-
-    @property
-    def num_blocks(self) -> int:
-        return self._pool.num_blocks
-
-    @property
-    def hash_algo(self) -> str:
-        return self._hasher.name
-
-    @property
-    def prefix_caching(self) -> bool:
-        return self._cache is not None
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks an allocation can take now, for any group: clean plus cached-free."""
-        return self._pool.num_free
-
-    @property
     def num_host_blocks(self) -> int:
         return 0
 
@@ -297,30 +277,11 @@ class GroupedKVCacheManager(KVCacheManager):
         self._seq(seq_id)
         return 0
 
-    @property
-    def num_sequences(self) -> int:
-        return len(self._seqs)
-
-    def __contains__(self, seq_id: Hashable) -> bool:
-        try:
-            return seq_id in self._seqs
-        except TypeError:
-            return False
-
-    def seq_ids(self) -> list:
-        return list(self._seqs)
-
     def _group(self, group: Any) -> int:
         g = as_int(group, "group")
         if not 0 <= g < self._ng:
             raise ValueError(f"group must be an int in [0, {self._ng}), got {g}")
         return g
-
-    def _seq(self, seq_id: Hashable) -> _GSeq:
-        try:
-            return self._seqs[seq_id]
-        except TypeError:
-            raise ValueError(f"sequence ids must be hashable, got {type(seq_id).__name__}") from None
 
     def block_table(self, seq_id: Hashable, group: int = 0) -> list[int]:
         """Group ``group``'s physical blocks of the scheduled positions, logical order; -1
@@ -332,21 +293,6 @@ class GroupedKVCacheManager(KVCacheManager):
         """Every block the sequence holds in the group: its block table (a grouped manager
         reserves nothing beyond the scheduled positions)."""
         return self.block_table(seq_id, group)
-
-    def num_tokens(self, seq_id: Hashable) -> int:
-        return len(self._seq(seq_id).tokens)
-
-    def num_computed(self, seq_id: Hashable) -> int:
-        return self._seq(seq_id).computed
-
-    def num_drafts(self, seq_id: Hashable) -> int:
-        return self._seq(seq_id).drafts
-
-    def tokens(self, seq_id: Hashable) -> list[int]:
-        return self._seq(seq_id).tokens.tolist()
-
-    def refcount(self, block_id: int) -> int:
-        return self._pool.refcount(block_id)
 
     def slots(self, seq_id: Hashable, start: int = 0, stop: int | None = None, group: int = 0) -> np.ndarray:
         """Group ``group``'s physical slots (``np.int64``) of positions ``start..stop`` (``stop``
@@ -931,11 +877,6 @@ class GroupedKVCacheManager(KVCacheManager):
 
     # ---- copies, transfers, swaps ------------------------------------------------------------
 
-    def take_copies(self) -> list[CopyOp]:
-        """Drain the copy-on-write copies: ``CopyOp(src, dst, group)``, batch-safe as the plain
-        manager's (no block a destination twice, no destination another copy's source)."""
-        return self._cq.take()
-
     def take_transfers(self) -> list[Transfer]:
         """Always empty: a grouped manager has no host tier."""
         return []
@@ -1023,11 +964,6 @@ class GroupedKVCacheManager(KVCacheManager):
             if self._log.enabled:
                 self._log.cleared()
         return True
-
-    def take_events(self) -> list:
-        """Drain the KV events: ``BlockStored`` with ``group_idx``, ``kv_cache_spec_kind`` and
-        ``kv_cache_spec_sliding_window``; ``BlockRemoved`` with ``group_idx``."""
-        return self._log.take()
 
     # ---- exports -----------------------------------------------------------------------------
 
@@ -1228,70 +1164,3 @@ class GroupedKVCacheManager(KVCacheManager):
 
 
 # ---- argument helpers (the plain manager's rules: token ids are uint32, ids hashable) --------
-
-
-def _as_token(token: Any) -> int:
-    if isinstance(token, (float, str, bytes)) or isinstance(token, np.floating):
-        raise ValueError(f"token id must be an integer, got {token!r}")
-    if isinstance(token, np.ma.MaskedArray):
-        raise ValueError("token ids must not be a masked array")
-    if isinstance(token, np.bool_):
-        return int(token)
-    try:
-        token = operator.index(token)
-    except TypeError:
-        raise ValueError(f"token id must be an integer, got {type(token).__name__}") from None
-    if not 0 <= token <= MAX_TOKEN_ID:
-        raise ValueError(f"token id {token} outside [0, {MAX_TOKEN_ID}]")
-    return token
-
-
-def _token_array(token_ids: Any) -> array:
-    if type(token_ids) is list or type(token_ids) is tuple:
-        try:
-            return array("I", token_ids)
-        except OverflowError as exc:
-            raise ValueError(f"token ids must be integers in [0, {MAX_TOKEN_ID}]: {exc}") from None
-        except TypeError:
-            return array("I", [_as_token(t) for t in token_ids])
-    if isinstance(token_ids, np.ndarray):
-        if isinstance(token_ids, np.ma.MaskedArray):
-            raise ValueError("token ids must not be a masked array")
-        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iub":
-            raise ValueError(f"token ids must be a 1-D integer array, got {token_ids.dtype} {token_ids.shape}")
-        out = array("I")
-        if token_ids.size:
-            if int(token_ids.min()) < 0 or int(token_ids.max()) > MAX_TOKEN_ID:
-                raise ValueError(f"token ids must be in [0, {MAX_TOKEN_ID}]")
-            out.frombytes(token_ids.astype(np.uint32).tobytes())
-        return out
-    if isinstance(token_ids, (str, bytes, bytearray)) or not isinstance(token_ids, Iterable):
-        raise ValueError(f"token ids must be a sequence of ints, got {type(token_ids).__name__}")
-    return _token_array([_as_token(t) for t in token_ids])
-
-
-def _id_sequence(seq_ids: Any) -> list:
-    if isinstance(seq_ids, np.ndarray):
-        if seq_ids.ndim != 1:
-            raise ValueError(f"sequence ids must be a 1-D array, got shape {seq_ids.shape}")
-        return seq_ids.tolist()
-    if isinstance(seq_ids, (str, bytes, bytearray)) or not isinstance(seq_ids, SequenceABC):
-        raise ValueError(f"sequence ids must be an ordered sequence (list, tuple, 1-D array), "
-                         f"got {type(seq_ids).__name__}")
-    return list(seq_ids)
-
-
-def _known(seqs: dict, seq_id: Any) -> bool:
-    try:
-        return seq_id in seqs
-    except TypeError:
-        raise ValueError(f"sequence ids must be hashable, got {type(seq_id).__name__}") from None
-
-
-def _le_bytes_swapped(tokens: array) -> bytes:  # pragma: no cover - no big-endian CI
-    tokens = tokens[:]
-    tokens.byteswap()
-    return tokens.tobytes()
-
-
-_le_bytes = _le_bytes_swapped if _BIG_ENDIAN else array.tobytes

@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 
-from .. import KVCacheManager, OutOfBlocks
+from .. import KVCacheManager
 from ..checks import int_at_least, optional_int_at_least
+from ..sim.cache_replay import admit, append
 from ..sim.request import Request, segment_tokens
 from ..sim.sizing import GIB, get_model, kv_size
 from ..sim.traces import (
@@ -79,29 +80,6 @@ class ReplayResult:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
-def _admit(m: KVCacheManager, running: list, sid: int, tokens) -> bool:
-    """Admit, finishing the oldest resident sequences while blocks are short; False if it never fits."""
-    while True:
-        try:
-            m.add_sequence(sid, tokens)
-            return True
-        except OutOfBlocks:
-            if not running:
-                return False
-            m.free(running.pop(0))
-
-
-def _append(m: KVCacheManager, running: list, sid: int, tokens) -> None:
-    while True:
-        try:
-            m.append_tokens(sid, tokens)
-            return
-        except OutOfBlocks:
-            if not running:  # alone and still too big: finish it where it is
-                return
-            m.free(running.pop(0))
-
-
 def _check_args(num_blocks: int, block_size: int, max_running: int) -> None:
     for name, v in (("num_blocks", num_blocks), ("block_size", block_size), ("max_running", max_running)):
         int_at_least(name, v, 1, expected="a positive int")
@@ -121,11 +99,11 @@ def _drive(items: Iterable[tuple], n: int, num_blocks: int, block_size: int, max
             progress(i)
         while len(running) >= max_running:
             m.free(running.pop(0))
-        if not _admit(m, running, i, prompt):
+        if not admit(m, running, i, prompt):
             skipped.add(i)
             continue
         if len(output):
-            _append(m, running, i, output)
+            append(m, running, i, output)
         running.append(i)
     return m, skipped
 

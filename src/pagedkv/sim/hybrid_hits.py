@@ -32,9 +32,10 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .. import KVCacheManager, OutOfBlocks
+from .. import KVCacheManager
 from ..checks import int_at_least
 from ..kv_specs import AttentionSpec
+from .cache_replay import admit, append
 from .request import Request, segment_tokens
 from .sizing import ModelSpec, equal_page_groups, kv_size
 
@@ -99,28 +100,6 @@ def never_evicts_bytes(spec: ModelSpec, requests: Sequence[Request], block_size:
     return sum(math.ceil(r.total_len / block_size) for r in requests) * layer * spec.num_layers
 
 
-def _admit(m: KVCacheManager, running: list, sid: int, prompt) -> bool:
-    while True:
-        try:
-            m.add_sequence(sid, prompt)
-            return True
-        except OutOfBlocks:
-            if not running:
-                return False
-            m.free(running.pop(0))
-
-
-def _append(m: KVCacheManager, running: list, sid: int, output) -> None:
-    while True:
-        try:
-            m.append_tokens(sid, output)
-            return
-        except OutOfBlocks:
-            if not running:
-                return
-            m.free(running.pop(0))
-
-
 def replay_hits(requests: Sequence[Request], layout: Layout, block_size: int = 16, *,
                 max_running: int = 16, window_eviction: str | None = None,
                 prompts: Iterable | None = None) -> HitRun:
@@ -142,12 +121,12 @@ def replay_hits(requests: Sequence[Request], layout: Layout, block_size: int = 1
     for i, (r, prompt) in enumerate(zip(requests, prompts)):
         while len(running) >= max_running:
             m.free(running.pop(0))
-        if not _admit(m, running, i, prompt):
+        if not admit(m, running, i, prompt):
             skipped += 1
             continue
         query += len(prompt)
         if r.output_len:
-            _append(m, running, i, segment_tokens(OUTPUT_KEY ^ i, r.output_len))
+            append(m, running, i, segment_tokens(OUTPUT_KEY ^ i, r.output_len))
         running.append(i)
     u = m.usage()
     return HitRun(layout, window_eviction if layout.groups is not None else None, len(requests), skipped,
