@@ -34,7 +34,7 @@ from typing import Callable, Iterable
 
 from .. import KVCacheManager
 from ..checks import int_at_least, optional_int_at_least
-from ..sim.cache_replay import admit, append
+from ..sim.cache_replay import HitCounts, admit, append
 from ..sim.request import Request, segment_tokens
 from ..sim.sizing import GIB, get_model, kv_size
 from ..sim.traces import (
@@ -64,20 +64,12 @@ HASH_ALGO = "builtin"  # fastest; hits do not depend on the hash function (no co
 
 
 @dataclass(frozen=True)
-class ReplayResult:
-    """What one replay measured (tokens counted by the manager's own ``usage()``)."""
+class ReplayResult(HitCounts):
+    """What one replay measured (tokens counted by the manager's own ``usage()``), at
+    ``num_blocks`` blocks of ``block_size`` tokens of the replayed trace (512 for a block replay)."""
 
     num_blocks: int
-    block_size: int  # tokens per block of the replayed trace (512 for a block replay)
-    requests: int
-    skipped: int  # requests larger than the whole cache
-    query_tokens: int
-    hit_tokens: int
-    evictions: int
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+    block_size: int
 
 
 def _check_args(num_blocks: int, block_size: int, max_running: int) -> None:
@@ -133,8 +125,8 @@ def replay(requests: list[Request], num_blocks: int, block_size: int, *,
 
     m, skipped = _drive(items(), len(requests), num_blocks, block_size, max_running, hash_algo, progress)
     u = m.usage()
-    return ReplayResult(num_blocks, block_size, len(requests), len(skipped), u.prefix_query_tokens,
-                        u.prefix_hit_tokens, u.evictions)
+    return ReplayResult(len(requests), len(skipped), u.prefix_query_tokens, u.prefix_hit_tokens, u.evictions,
+                        num_blocks, block_size)
 
 
 def _block_tokens(requests: list[Request], block: int, append_outputs: bool):
@@ -192,8 +184,8 @@ def block_replay(requests: list[Request], num_blocks: int, block: int = MOONCAKE
                         max_running, hash_algo, None)
     u = m.usage()
     query = sum(r.prompt_len for i, r in enumerate(requests) if i not in skipped)
-    return ReplayResult(num_blocks, block, len(requests), len(skipped), query,
-                        u.prefix_hit_tokens // 2 * block, u.evictions)
+    return ReplayResult(len(requests), len(skipped), query, u.prefix_hit_tokens // 2 * block, u.evictions,
+                        num_blocks, block)
 
 
 def ideal_hits(records: list[tuple[int, list[int]]], block_size: int | None = None) -> tuple[int, int]:

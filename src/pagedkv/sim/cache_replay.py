@@ -9,11 +9,29 @@ size keeps, not a scheduler. Both calls are atomic in the manager, so a retry st
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Hashable
 
 from ..types import OutOfBlocks
 
-__all__ = ["admit", "append"]
+__all__ = ["admit", "append", "HitCounts"]
+
+
+@dataclass(frozen=True)
+class HitCounts:
+    """What a replay's manager counted (its own ``usage()``): requests replayed, those skipped
+    (larger than the whole cache), prompt tokens queried and served from the cache, evictions."""
+
+    requests: int
+    skipped: int
+    query_tokens: int
+    hit_tokens: int
+    evictions: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of the queried prompt tokens served from the cache (0 when none were queried)."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
 def admit(m, running: list, seq_id: Hashable, prompt) -> bool:

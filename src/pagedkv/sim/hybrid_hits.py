@@ -35,7 +35,7 @@ from typing import Iterable, Sequence
 from .. import KVCacheManager
 from ..checks import int_at_least
 from ..kv_specs import AttentionSpec
-from .cache_replay import admit, append
+from .cache_replay import HitCounts, admit, append
 from .request import Request, segment_tokens
 from .sizing import ModelSpec, equal_page_groups, kv_size
 
@@ -56,20 +56,11 @@ class Layout:
 
 
 @dataclass(frozen=True)
-class HitRun:
-    """One replay: the layout, and what the manager counted."""
+class HitRun(HitCounts):
+    """One replay: what the manager counted, under ``layout`` (and, grouped, ``window_eviction``)."""
 
     layout: Layout
     window_eviction: str | None
-    requests: int
-    skipped: int
-    query_tokens: int
-    hit_tokens: int
-    evictions: int
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
 def _layer_block_bytes(spec: ModelSpec, block_size: int) -> int:
@@ -129,5 +120,5 @@ def replay_hits(requests: Sequence[Request], layout: Layout, block_size: int = 1
             append(m, running, i, segment_tokens(OUTPUT_KEY ^ i, r.output_len))
         running.append(i)
     u = m.usage()
-    return HitRun(layout, window_eviction if layout.groups is not None else None, len(requests), skipped,
-                  u.prefix_query_tokens, u.prefix_hit_tokens, u.evictions)
+    return HitRun(len(requests), skipped, u.prefix_query_tokens, u.prefix_hit_tokens, u.evictions, layout,
+                  window_eviction if layout.groups is not None else None)
