@@ -60,8 +60,9 @@ from .sequences import id_sequence as _id_sequence
 from .sequences import known as _known
 from .sequences import le_bytes as _le_bytes
 from .sequences import token_array as _token_array
+from .pending_events import EventLog
 from .prefix_cache import PrefixCache
-from .types import (AllBlocksCleared, BlockRemoved, BlockStored, OutOfBlocks, PrefixHit,
+from .types import (BlockRemoved, BlockStored, OutOfBlocks, PrefixHit,
                     Transfer, Usage)
 
 __all__ = ["GroupedKVCacheManager", "next_release"]
@@ -93,55 +94,30 @@ def next_release(spec: AttentionSpec, c: int, block_size: int, limit: int | None
     return max(c + 1, -(-nxt // chunk) * chunk)
 
 
-class _GroupLog:
-    """The KV event log of a grouped manager: what :class:`~pagedkv.pending_events.EventLog` is to the
-    plain one (the prefix cache writes to it through the same four calls), for cache keys that
-    are ``(group, hash)`` pairs. Each event carries the bare hashes and names its group; removals
+class _GroupLog(EventLog):
+    """The KV event log of a grouped manager: the plain :class:`~pagedkv.pending_events.EventLog`
+    (the prefix cache writes to it through the same calls) for cache keys that are
+    ``(group, hash)`` pairs. Each event carries the bare hashes and names its group; removals
     fold into one ``BlockRemoved`` per run of one group."""
 
-    __slots__ = ("enabled", "_events", "_removed", "_removed_group", "_specs")
+    __slots__ = ("_removed_group", "_specs")
 
     def __init__(self, enabled: bool, specs: tuple) -> None:
-        self.enabled = enabled
-        self._events: list = []
-        self._removed: list = []
+        super().__init__(enabled)
         self._removed_group = 0
         self._specs = specs
 
-    def stored(self, hashes: tuple, parent: Hashable, tokens: Any, block_size: int, medium: str) -> None:
-        self.stored_many(((hashes, parent, tokens, block_size, medium),))
-
-    def stored_many(self, raw: Iterable[tuple]) -> None:
-        if self._removed:
-            self._flush()
-        self._events += raw
-
     def removed(self, keys: Iterable[tuple], medium: str) -> None:
         for g, h in keys:
-            if self._removed and g != self._removed_group:
-                self._flush()
-            self._removed_group = g
+            if self._removed and (g != self._removed_group or medium != self._removed_medium):
+                self._flush_removed()
+            self._removed_group, self._removed_medium = g, medium
             self._removed.append(h)
 
-    def cleared(self) -> None:
-        if self._removed:
-            self._flush()
-        self._events.append(AllBlocksCleared())
+    def _removed_event(self, hashes: tuple) -> BlockRemoved:
+        return BlockRemoved(hashes, self._removed_medium, self._removed_group)
 
-    def _flush(self) -> None:
-        self._events.append(BlockRemoved(tuple(self._removed), "GPU", self._removed_group))
-        self._removed = []
-
-    def __len__(self) -> int:
-        return len(self._events) + bool(self._removed)
-
-    def take(self) -> list:
-        if self._removed:
-            self._flush()
-        events, self._events = self._events, []
-        return [self._event(e) if type(e) is tuple else e for e in events]
-
-    def _event(self, e: tuple) -> BlockStored:
+    def _stored_event(self, e: tuple) -> BlockStored:
         keys, parent = e[0], e[1]
         g = keys[0][0]
         spec = self._specs[g]

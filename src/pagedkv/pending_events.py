@@ -70,8 +70,18 @@ class EventLog:
         self._events.append(AllBlocksCleared())
 
     def _flush_removed(self) -> None:
-        self._events.append(BlockRemoved(tuple(self._removed), self._removed_medium))
+        self._events.append(self._removed_event(tuple(self._removed)))
         self._removed = []
+
+    def _removed_event(self, hashes: tuple) -> BlockRemoved:
+        """The event a run of evictions folds into (a grouped log names the group too)."""
+        return BlockRemoved(hashes, self._removed_medium)
+
+    @staticmethod
+    def _stored_event(e: tuple) -> BlockStored:
+        """The event a queued publication becomes: ``(hashes, parent, tokens, block_size, medium)``
+        and, for blocks with extra keys, ``lora_name`` and ``extra_keys``."""
+        return BlockStored(e[0], e[1], tuple(e[2]), e[3], e[4]) if len(e) == 5 else BlockStored(e[0], e[1], tuple(e[2]), *e[3:])
 
     def __len__(self) -> int:
         """Events pending (evictions not yet folded count as one)."""
@@ -82,6 +92,5 @@ class EventLog:
         if self._removed:
             self._flush_removed()
         events, self._events = self._events, []
-        return [(BlockStored(e[0], e[1], tuple(e[2]), e[3], e[4]) if len(e) == 5
-                 else BlockStored(e[0], e[1], tuple(e[2]), *e[3:])) if type(e) is tuple else e
-                for e in events]
+        stored = self._stored_event
+        return [stored(e) if type(e) is tuple else e for e in events]
