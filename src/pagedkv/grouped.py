@@ -40,10 +40,8 @@ Not thread-safe: one engine thread calls it. It pickles to an equal state.
 from __future__ import annotations
 
 import hashlib
-from array import array
 from collections import Counter, OrderedDict
 from itertools import chain
-from operator import itemgetter
 from typing import Any, Hashable, Iterable, Sequence
 
 import numpy as np
@@ -56,9 +54,10 @@ from .manager import KVCacheManager
 from .pool import MAX_BLOCKS, BlockPool
 from .copy_queue import CopyQueue
 from .sequences import as_token as _as_token
-from .sequences import id_sequence as _id_sequence
 from .sequences import known as _known
 from .sequences import le_bytes as _le_bytes
+from .sequences import batch_arguments as _batch_arguments
+from .sequences import batch_seqs as _batch_seqs
 from .sequences import token_array as _token_array
 from .pending_events import EventLog
 from .prefix_cache import PrefixCache
@@ -760,30 +759,13 @@ class GroupedKVCacheManager(KVCacheManager):
     def append_batch(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int]) -> np.ndarray:
         """One decode step for many sequences, atomically; returns group 0's slots
         (``np.int64``). Releases due in the batch are made before any block is taken."""
-        if type(seq_ids) is not list and type(seq_ids) is not tuple:
-            seq_ids = _id_sequence(seq_ids)
-        toks = vals = None
-        if type(token_ids) is list or type(token_ids) is tuple:
-            try:
-                toks = array("I", token_ids)
-                vals = token_ids
-            except (TypeError, OverflowError):
-                pass
-        if toks is None:
-            toks = vals = _token_array(token_ids)
-        if len(toks) != len(seq_ids):
-            raise ValueError(f"{len(seq_ids)} sequence ids but {len(toks)} tokens")
+        seq_ids, toks, vals = _batch_arguments(seq_ids, token_ids)
         n = len(toks)
         if n < 2:
             if not n:
                 return np.empty(0, dtype=np.int64)
             return np.array([self.append_token(seq_ids[0], toks[0])], dtype=np.int64)
-        try:
-            ss = itemgetter(*seq_ids)(self._seqs)
-        except TypeError:
-            raise ValueError("sequence ids must be hashable") from None
-        if len(set(seq_ids)) != n:
-            raise ValueError("a sequence id appears twice in one append_batch")
+        ss = _batch_seqs(self._seqs, seq_ids)
         if self._unready:
             for sid, s in zip(seq_ids, ss):
                 if s.unscheduled or s.drafts:

@@ -35,10 +35,8 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from array import array
 from collections import Counter
 from itertools import chain
-from operator import itemgetter
 from typing import Any, Hashable, Iterable, Sequence
 
 import numpy as np
@@ -57,9 +55,10 @@ from .sequences import as_token as _as_token
 from .sequences import (block_tables, blocks_for_step, check_hashes, check_tables, filled_columns, flashinfer_layout,
                         logical_usage, not_ready, slots_of)
 from .sequences import count as _count
-from .sequences import id_sequence as _id_sequence
 from .sequences import known as _known
 from .sequences import le_bytes as _le_bytes
+from .sequences import batch_arguments as _batch_arguments
+from .sequences import batch_seqs as _batch_seqs
 from .sequences import token_array as _token_array
 from .types import CopyOp, PrefixHit, Transfer, Usage
 
@@ -669,32 +668,13 @@ class KVCacheManager:
         ``np.int64[len(seq_ids)]``. Either every sequence got its token or an error was raised
         and none did.
         """
-        if type(seq_ids) is not list and type(seq_ids) is not tuple:
-            seq_ids = _id_sequence(seq_ids)
-        # Every id is validated in one C loop. For a list or tuple, the loop below then appends
-        # its own int objects rather than new ones read back out of the array.
-        toks = vals = None
-        if type(token_ids) is list or type(token_ids) is tuple:
-            try:
-                toks = array("I", token_ids)
-                vals = token_ids
-            except (TypeError, OverflowError):  # numpy scalars or bad ids: the checked path
-                pass
-        if toks is None:
-            toks = vals = _token_array(token_ids)
-        if len(toks) != len(seq_ids):
-            raise ValueError(f"{len(seq_ids)} sequence ids but {len(toks)} tokens")
+        seq_ids, toks, vals = _batch_arguments(seq_ids, token_ids)
         n = len(toks)
         if n < 2:
             if not n:
                 return np.empty(0, dtype=np.int64)
             return np.array([self.append_token(seq_ids[0], toks[0])], dtype=np.int64)
-        try:
-            ss = itemgetter(*seq_ids)(self._seqs)
-        except TypeError:
-            raise ValueError("sequence ids must be hashable") from None
-        if len(set(seq_ids)) != n:
-            raise ValueError("a sequence id appears twice in one append_batch")
+        ss = _batch_seqs(self._seqs, seq_ids)
         if self._unready:
             for sid, s in zip(seq_ids, ss):
                 if s.unready:

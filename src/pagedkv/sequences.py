@@ -12,6 +12,7 @@ from __future__ import annotations
 import operator
 import sys
 from array import array
+from operator import itemgetter
 from collections.abc import Sequence as SequenceABC
 from typing import Any, Hashable, Iterable, Sequence
 
@@ -21,7 +22,7 @@ from .checks import as_int
 from .checks import require
 from .hashing import MAX_TOKEN_ID, ExtraKeys
 
-__all__ = ["Seq", "token_array", "id_sequence", "le_bytes", "known", "count", "as_token", "slots_of",
+__all__ = ["Seq", "token_array", "batch_arguments", "batch_seqs", "id_sequence", "le_bytes", "known", "count", "as_token", "slots_of",
            "not_ready", "block_tables", "flashinfer_layout", "scheduled_tables", "logical_usage",
            "check_tables", "blocks_for_step", "check_hashes", "filled_columns"]
 
@@ -161,6 +162,39 @@ def id_sequence(seq_ids: Any) -> list:
             f"sequence ids must be an ordered sequence (list, tuple, 1-D array), got {type(seq_ids).__name__}"
         )
     return list(seq_ids)
+
+
+def batch_arguments(seq_ids: Any, token_ids: Any) -> tuple[Sequence, array, Sequence]:
+    """``append_batch``'s arguments, validated: the ids as a list or tuple, the tokens as an
+    ``array('I')``, and the values the decode loop appends. Every token id is checked in one C
+    loop; for a list or tuple the loop then appends its own int objects rather than new ones read
+    back out of the array."""
+    if type(seq_ids) is not list and type(seq_ids) is not tuple:
+        seq_ids = id_sequence(seq_ids)
+    toks = vals = None
+    if type(token_ids) is list or type(token_ids) is tuple:
+        try:
+            toks = array("I", token_ids)
+            vals = token_ids
+        except (TypeError, OverflowError):  # numpy scalars or bad ids: the checked path
+            pass
+    if toks is None:
+        toks = vals = token_array(token_ids)
+    if len(toks) != len(seq_ids):
+        raise ValueError(f"{len(seq_ids)} sequence ids but {len(toks)} tokens")
+    return seq_ids, toks, vals
+
+
+def batch_seqs(seqs: dict, seq_ids: Sequence) -> tuple:
+    """The sequences of a batch of two or more ids, in order: KeyError for an unknown id,
+    ValueError for an unhashable or repeated one."""
+    try:
+        ss = itemgetter(*seq_ids)(seqs)
+    except TypeError:
+        raise ValueError("sequence ids must be hashable") from None
+    if len(set(seq_ids)) != len(seq_ids):
+        raise ValueError("a sequence id appears twice in one append_batch")
+    return ss
 
 
 def _le_bytes_swapped(tokens: array) -> bytes:  # pragma: no cover - no big-endian CI
