@@ -33,7 +33,6 @@ leaves the manager exactly as it was.
 """
 from __future__ import annotations
 
-import hashlib
 import inspect
 from array import array
 from operator import itemgetter
@@ -54,7 +53,7 @@ from .sequences import MAX_BLOCK_SIZE  # noqa: F401 (pagedkv.manager.MAX_BLOCK_S
 from .sequences import Seq as _Seq
 from .sequences import as_token as _as_token
 from .sequences import (block_tables, blocks_for_step, check_hashes, check_tables, filled_columns, flashinfer_layout,
-                        logical_usage, manager_args, not_ready, slots_of)
+                        logical_usage, manager_args, not_ready, on_device, slots_of)
 from .sequences import count as _count
 from .sequences import id_sequence as _id_sequence
 from .sequences import known as _known
@@ -333,19 +332,6 @@ class KVCacheManager:
             raise ValueError(f"need 0 <= start <= stop <= {n} (scheduled positions), got {start}, {stop}")
         return slots_of(s, start, stop, self._bs, self._offsets)
 
-    def _seq_list(self, seq_ids: Iterable[Hashable]) -> list[_Seq]:
-        """Sequences for a kernel export: known, hashable, and on the device."""
-        seqs = self._seqs
-        try:
-            out = [seqs[i] for i in seq_ids]
-        except TypeError:
-            raise ValueError("sequence ids must be hashable") from None
-        if self._swapped:
-            for sid, s in zip(seq_ids, out):
-                if s.host is not None:
-                    raise ValueError(not_ready(sid, s, "export the block table of"))
-        return out
-
     def _seq(self, seq_id: Hashable) -> _Seq:
         try:
             return self._seqs[seq_id]
@@ -376,7 +362,7 @@ class KVCacheManager:
         if self._cache is None:
             return PrefixHit(0)
         bs = self._bs
-        hashes = self._prompt_hashes(keys, _le_bytes(tokens), n // bs, remember=True)
+        hashes = self._hash_memo.chained(self._hasher, self._root, keys, _le_bytes(tokens), bs, True)
         device, host = self._hits(hashes, (n - 1) // bs)
         return PrefixHit(len(device) * bs, len(host) * bs, self._pool.count_cached(device))
 
@@ -386,24 +372,6 @@ class KVCacheManager:
         if self._tier is None or len(device) == limit:
             return device, []
         return device, self._tier.longest_prefix(hashes[len(device) :], limit - len(device))
-
-    def _prompt_hashes(self, keys: ExtraKeys | None, data: bytes, nfull: int, remember: bool) -> list:
-        """The chained hashes of a prompt's ``nfull`` full blocks, from the memo if a lookup
-        computed them. ``remember`` (lookup) keeps what it computes there; an admission gets a
-        copy (the list becomes the sequence's own, and a failed admission, retried next step,
-        still finds the entry). The memo key is the extra keys' identity (None for a plain
-        request) and a sha256 of the prompt's bytes, so equal keys mean equal prompts under equal
-        extra keys whatever ``hash_algo`` is."""
-        memo = self._hash_memo
-        if memo.entries or remember:
-            key = (keys.ident if keys is not None else None, hashlib.sha256(data).digest())
-            hashes = memo.get(key)
-            if hashes is not None:
-                return hashes if remember else hashes.copy()
-        hashes = self._hasher.chain_keyed(self._root, data, 4 * self._bs, 0, nfull, keys)
-        if remember:
-            memo.put(key, hashes)
-        return hashes
 
     def add_sequence(self, seq_id: Hashable, prompt_ids: Sequence[int], cache_salt: Any = None,
                      prefill: int | None = None, reserve: bool = False, *, lora_name: str | None = None,
@@ -455,7 +423,7 @@ class KVCacheManager:
         hits: list[int] = []
         loads: list[int] = []  # host blocks continuing the device hits
         if cache is not None:
-            hashes = self._prompt_hashes(keys, _le_bytes(tokens), n // bs, remember=False)
+            hashes = self._hash_memo.chained(self._hasher, self._root, keys, _le_bytes(tokens), bs, False)
             hits, loads = self._hits(hashes, (n - 1) // bs)
         hit = (len(hits) + len(loads)) * bs
         computed = n if prefill is None else hit + min(prefill, n - hit)
@@ -956,7 +924,7 @@ class KVCacheManager:
         Rows are copied from each sequence's int32 mirror, so the cost is one slice copy per
         sequence, not one Python int per block.
         """
-        ss = self._seq_list(seq_ids)
+        ss = on_device(self._seqs, seq_ids, self._swapped)
         _group_zero(group)
         pad = as_int(pad, "pad")
         if not -(2**31) <= pad < 2**31:
@@ -970,7 +938,7 @@ class KVCacheManager:
         [3], [4,5]): indptr [0, 3, 4, 6], indices [0, 1, 2, 3, 4, 5], last_page_len [2, 4, 1].
         A sequence with nothing scheduled has no pages and a last_page_len of 0.
         """
-        ss = self._seq_list(seq_ids)
+        ss = on_device(self._seqs, seq_ids, self._swapped)
         _group_zero(group)
         return flashinfer_layout(ss, self._bs, bool(self._unready))
 

@@ -29,7 +29,7 @@ from .pool import MAX_BLOCKS
 
 __all__ = ["Seq", "token_array", "id_sequence", "le_bytes", "known", "count", "as_token", "slots_of",
            "not_ready", "block_tables", "flashinfer_layout", "scheduled_tables", "logical_usage",
-           "check_tables", "blocks_for_step", "check_hashes", "filled_columns", "manager_args",
+           "check_tables", "blocks_for_step", "check_hashes", "filled_columns", "manager_args", "on_device",
            "MAX_BLOCK_SIZE"]
 
 _BIG_ENDIAN = sys.byteorder == "big"
@@ -289,6 +289,20 @@ def slots_of(s: Seq, start: int, stop: int, bs: int, offsets: np.ndarray | None)
     rows = (blocks[:, None] * bs + offsets).ravel()
     lo = start - first * bs
     return rows[lo : lo + stop - start]
+
+
+def on_device(seqs: dict, seq_ids: Iterable[Hashable], swapped: int) -> list[Seq]:
+    """The sequences of a kernel export: known (KeyError), hashable and, when any sequence is
+    swapped out (``swapped`` > 0), on the device (ValueError)."""
+    try:
+        out = [seqs[i] for i in seq_ids]
+    except TypeError:
+        raise ValueError("sequence ids must be hashable") from None
+    if swapped:
+        for sid, s in zip(seq_ids, out):
+            if s.host is not None:
+                raise ValueError(not_ready(sid, s, "export the block table of"))
+    return out
 
 
 def not_ready(seq_id: Hashable, s: Seq, what: str) -> str:
