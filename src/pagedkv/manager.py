@@ -36,7 +36,7 @@ from __future__ import annotations
 import inspect
 from array import array
 from operator import itemgetter
-from typing import Any, Hashable, Iterable, Sequence
+from typing import Any, Hashable, Sequence
 
 import numpy as np
 
