@@ -386,8 +386,9 @@ class HashMemo:
     prompts and 65,536 hashes (about 5 MiB) a few 100,000-token prompts cannot make it hold
     hundreds of MiB. A prompt of more than ``max_blocks`` full blocks is never kept.
 
-    The key is the caller's: the manager uses (extra keys' identity, sha256 of the prompt's
-    bytes), so equal keys mean equal prompts under equal extra keys whatever the algorithm.
+    The key is the caller's; :meth:`chained` (the manager's) uses (extra keys' identity, sha256
+    of the prompt's bytes), so equal keys mean equal prompts under equal extra keys whatever the
+    algorithm.
     """
 
     __slots__ = ("_memo", "_held", "max_entries", "max_blocks", "entries")
@@ -423,3 +424,21 @@ class HashMemo:
         while len(memo) > self.max_entries or self._held > self.max_blocks:
             self._held -= len(memo.pop(next(iter(memo))))
         self.entries = len(memo)
+
+    def chained(self, hasher: BlockHasher, root: Hashable, keys: ExtraKeys | None, data: bytes,
+                block_size: int, remember: bool) -> list:
+        """The chained hashes (``hasher``, from ``root``) of a prompt's full blocks (``data``:
+        its tokens' little-endian uint32 bytes), from the memo if a lookup computed them.
+        ``remember`` (a lookup) keeps what it computes; an admission gets a copy (the list
+        becomes the sequence's own, and a failed admission, retried next step, still finds the
+        entry). The key is the extra keys' identity (None for a plain request) and a sha256 of
+        the prompt's bytes. Example (block size 16): a 40-token prompt -> 2 hashes."""
+        if self.entries or remember:
+            key = (keys.ident if keys is not None else None, hashlib.sha256(data).digest())
+            hashes = self.get(key)
+            if hashes is not None:
+                return hashes if remember else hashes.copy()
+        hashes = hasher.chain_keyed(root, data, 4 * block_size, 0, len(data) // (4 * block_size), keys)
+        if remember:
+            self.put(key, hashes)
+        return hashes

@@ -33,27 +33,25 @@ leaves the manager exactly as it was.
 """
 from __future__ import annotations
 
-import hashlib
 import inspect
-from collections import Counter
-from itertools import chain
-from typing import Any, Hashable, Iterable, Sequence
+from typing import Any, Hashable, Sequence
 
 import numpy as np
 
 from .pending_events import EventLog
 from .hashing import MAX_TOKEN_ID, BlockHasher, ExtraKeys, HashMemo
-from .host_tier import WRITE_POLICIES, HostTier
+from .host_tier import HostTier
 from .checks import as_int
 from .checks import require as _require
 from .copy_queue import CopyQueue
-from .pool import MAX_BLOCKS, BlockPool
+from .pool import BlockPool
 from .prefix_cache import PrefixCache
 from .kv_specs import FullAttention, check_groups
+from .sequences import MAX_BLOCK_SIZE  # noqa: F401 (pagedkv.manager.MAX_BLOCK_SIZE, as before)
 from .sequences import Seq as _Seq
 from .sequences import as_token as _as_token
 from .sequences import (block_tables, blocks_for_step, check_hashes, check_tables, filled_columns, flashinfer_layout,
-                        logical_usage, not_ready, slots_of)
+                        logical_usage, manager_args, not_ready, on_device, slots_of)
 from .sequences import count as _count
 from .sequences import known as _known
 from .sequences import le_bytes as _le_bytes
@@ -69,7 +67,6 @@ __all__ = ["KVCacheManager"]
 # first, so that a few 100,000-token prompts cannot make the memo hold hundreds of MiB.
 HASH_MEMO_ENTRIES = 256
 HASH_MEMO_BLOCKS = 1 << 16
-MAX_BLOCK_SIZE = 2**31 - 1  # FlashInfer's last_page_len and every slot stay int32/int64-exact
 
 
 class KVCacheManager:
@@ -149,25 +146,8 @@ class KVCacheManager:
         host_write_policy: str = "write-back",
         groups: Sequence | None = None,
     ) -> None:
-        block_size = as_int(block_size, "block_size")
-        if not 1 <= block_size <= MAX_BLOCK_SIZE:
-            raise ValueError(
-                f"block_size must be an int in [1, {MAX_BLOCK_SIZE}] (page lengths are exported "
-                f"as int32), got {block_size!r}"
-            )
-        num_blocks = as_int(num_blocks, "num_blocks")
-        if not 1 <= num_blocks <= MAX_BLOCKS:
-            raise ValueError(
-                f"num_blocks must be an int in [1, {MAX_BLOCKS}] (block ids are exported as "
-                f"int32), got {num_blocks!r}"
-            )
-        if not isinstance(enable_prefix_caching, bool) or not isinstance(enable_events, bool):
-            raise ValueError("enable_prefix_caching and enable_events must be bools")
-        host_blocks = _count(host_blocks, "host_blocks")
-        if host_blocks > MAX_BLOCKS:
-            raise ValueError(f"host_blocks must be at most {MAX_BLOCKS}, got {host_blocks}")
-        if host_write_policy not in WRITE_POLICIES:
-            raise ValueError(f"host_write_policy must be one of {WRITE_POLICIES}, got {host_write_policy!r}")
+        num_blocks, block_size, host_blocks = manager_args(
+            num_blocks, block_size, enable_prefix_caching, enable_events, host_blocks, host_write_policy)
         if groups is not None and not _one_full(check_groups(groups)):
             raise ValueError("groups other than [FullAttention()] need the grouped manager "
                              "(pagedkv.grouped.GroupedKVCacheManager), which KVCacheManager(..., "
@@ -351,19 +331,6 @@ class KVCacheManager:
             raise ValueError(f"need 0 <= start <= stop <= {n} (scheduled positions), got {start}, {stop}")
         return slots_of(s, start, stop, self._bs, self._offsets)
 
-    def _seq_list(self, seq_ids: Iterable[Hashable]) -> list[_Seq]:
-        """Sequences for a kernel export: known, hashable, and on the device."""
-        seqs = self._seqs
-        try:
-            out = [seqs[i] for i in seq_ids]
-        except TypeError:
-            raise ValueError("sequence ids must be hashable") from None
-        if self._swapped:
-            for sid, s in zip(seq_ids, out):
-                if s.host is not None:
-                    raise ValueError(not_ready(sid, s, "export the block table of"))
-        return out
-
     def _seq(self, seq_id: Hashable) -> _Seq:
         try:
             return self._seqs[seq_id]
@@ -394,7 +361,7 @@ class KVCacheManager:
         if self._cache is None:
             return PrefixHit(0)
         bs = self._bs
-        hashes = self._prompt_hashes(keys, _le_bytes(tokens), n // bs, remember=True)
+        hashes = self._hash_memo.chained(self._hasher, self._root, keys, _le_bytes(tokens), bs, True)
         device, host = self._hits(hashes, (n - 1) // bs)
         return PrefixHit(len(device) * bs, len(host) * bs, self._pool.count_cached(device))
 
@@ -404,24 +371,6 @@ class KVCacheManager:
         if self._tier is None or len(device) == limit:
             return device, []
         return device, self._tier.longest_prefix(hashes[len(device) :], limit - len(device))
-
-    def _prompt_hashes(self, keys: ExtraKeys | None, data: bytes, nfull: int, remember: bool) -> list:
-        """The chained hashes of a prompt's ``nfull`` full blocks, from the memo if a lookup
-        computed them. ``remember`` (lookup) keeps what it computes there; an admission gets a
-        copy (the list becomes the sequence's own, and a failed admission, retried next step,
-        still finds the entry). The memo key is the extra keys' identity (None for a plain
-        request) and a sha256 of the prompt's bytes, so equal keys mean equal prompts under equal
-        extra keys whatever ``hash_algo`` is."""
-        memo = self._hash_memo
-        if memo.entries or remember:
-            key = (keys.ident if keys is not None else None, hashlib.sha256(data).digest())
-            hashes = memo.get(key)
-            if hashes is not None:
-                return hashes if remember else hashes.copy()
-        hashes = self._hasher.chain_keyed(self._root, data, 4 * self._bs, 0, nfull, keys)
-        if remember:
-            memo.put(key, hashes)
-        return hashes
 
     def add_sequence(self, seq_id: Hashable, prompt_ids: Sequence[int], cache_salt: Any = None,
                      prefill: int | None = None, reserve: bool = False, *, lora_name: str | None = None,
@@ -473,7 +422,7 @@ class KVCacheManager:
         hits: list[int] = []
         loads: list[int] = []  # host blocks continuing the device hits
         if cache is not None:
-            hashes = self._prompt_hashes(keys, _le_bytes(tokens), n // bs, remember=False)
+            hashes = self._hash_memo.chained(self._hasher, self._root, keys, _le_bytes(tokens), bs, False)
             hits, loads = self._hits(hashes, (n - 1) // bs)
         hit = (len(hits) + len(loads)) * bs
         computed = n if prefill is None else hit + min(prefill, n - hit)
@@ -807,22 +756,13 @@ class KVCacheManager:
             raise ValueError(f"sequence {seq_id!r} is already swapped out")
         if s.unscheduled or s.drafts:
             raise ValueError(not_ready(seq_id, s, "swap out"))
-        refcount, table = self._pool.refcount, s.table
-        tier = self._tier
+        tier, table = self._tier, s.table
         if s in self._busy or tier.pending_on(table) or any(map(self._cq.is_destination, table)):
             raise ValueError(f"cannot swap out {seq_id!r}: it was given positions or blocks in this step "
                              f"(or a copy or transfer of its blocks is pending), whose K/V is written only "
                              f"after take_transfers(); swap it out before scheduling it, or after the step")
-        private = [i for i, b in enumerate(table) if refcount(b) == 1]
-        released = [table[i] for i in private]
-        nh = len(s.hashes) if self._cache is not None else 0
-        host = tier.swap_out(released, [s.hashes[i] if i < nh else None for i in private],
-                             f"swapping out {seq_id!r}")
-        for i in private:
-            table[i] = -1
-        s.mirror = None
-        s.host = dict(zip(private, host))
-        s.nxt = -1
+        private, released, hashes = s.private_blocks(self._pool.refcount, self._cache is not None)
+        s.swapped_out(private, tier.swap_out(released, hashes, f"swapping out {seq_id!r}"))
         self._unready += 1
         self._swapped += 1
         if self._cache is not None and self._cache.has_twins:
@@ -842,12 +782,8 @@ class KVCacheManager:
         revived = list(revive.values())
         self._cq.check_room(0, len(loads), f"swapping in {seq_id!r}", revived)
         new = self._cq.allocate(0, len(loads), revived)[0]
-        for i, d in revive.items():
-            s.table[i] = d
-        for i, d in zip(loads, new):
-            s.table[i] = d
-        self._tier.swap_in([s.host[i] for i in loads], new, [s.host[i] for i in revive])
-        s.host = None
+        loaded, revived_host = s.swapped_in(revive, loads, new)
+        self._tier.swap_in(loaded, new, revived_host)
         self._unready -= 1
         self._swapped -= 1
         if cache is not None:  # loaded full blocks are findable again, once their K/V is back
@@ -968,7 +904,7 @@ class KVCacheManager:
         Rows are copied from each sequence's int32 mirror, so the cost is one slice copy per
         sequence, not one Python int per block.
         """
-        ss = self._seq_list(seq_ids)
+        ss = on_device(self._seqs, seq_ids, self._swapped)
         _group_zero(group)
         pad = as_int(pad, "pad")
         if not -(2**31) <= pad < 2**31:
@@ -982,7 +918,7 @@ class KVCacheManager:
         [3], [4,5]): indptr [0, 3, 4, 6], indices [0, 1, 2, 3, 4, 5], last_page_len [2, 4, 1].
         A sequence with nothing scheduled has no pages and a last_page_len of 0.
         """
-        ss = self._seq_list(seq_ids)
+        ss = on_device(self._seqs, seq_ids, self._swapped)
         _group_zero(group)
         return flashinfer_layout(ss, self._bs, bool(self._unready))
 
@@ -993,83 +929,49 @@ class KVCacheManager:
         ``group`` None or 0 (the one group) gives the same figures."""
         if group is not None:
             _group_zero(group)
-        bs, pool = self._bs, self._pool
+        bs, pool, cache, tier = self._bs, self._pool, self._cache, self._tier
         used = pool.num_used
-        logical, logical_blocks, partial, reserved = logical_usage(self._seqs.values(), bs)
-        # partial blocks' empty tails, and reserved blocks, hold no token yet
-        stored = (used - reserved) * bs - len(partial) * bs + sum(partial.values())
+        logical, stored, logical_blocks = logical_usage(self._seqs.values(), bs, used)
         allocated = used * bs
-        cache, tier = self._cache, self._tier
-        host = {}
-        if tier is not None:
-            host = dict(tier.usage_fields(), swapped_sequences=self._swapped)
         return Usage(
-            num_blocks=pool.num_blocks,
             block_size=bs,
             num_sequences=len(self._seqs),
             logical_tokens=logical,
             stored_tokens=stored,
-            used_blocks=used,
-            free_blocks=pool.num_clean,
-            cached_blocks=pool.num_cached,
             allocated_slots=allocated,
             internal_fragmentation=1 - stored / allocated if allocated else 0.0,
             blocks_saved_by_sharing=logical_blocks - used,
-            prefix_query_tokens=cache.query_tokens if cache is not None else 0,
-            prefix_hit_tokens=cache.hit_tokens if cache is not None else 0,
             cow_copies=self._cow_copies,
             forks=self._forks,
-            evictions=pool.evictions,
-            **host,
+            **pool.usage_fields(),
+            **(cache.usage_fields() if cache is not None else dict(prefix_query_tokens=0, prefix_hit_tokens=0)),
+            **(dict(tier.usage_fields(), swapped_sequences=self._swapped) if tier is not None else {}),
         )
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless the pool, the tables and the cache agree.
 
-        Checks: the pool's own states (free + cached-free + used = total, nothing both free and
-        referenced); each block's refcount equals the number of table entries pointing at it;
-        each table has ``ceil(num_computed / block_size)`` entries, or, for a prompt admitted with
-        ``reserve=True`` and not fully scheduled, ``ceil(num_tokens / block_size)`` whose blocks
-        past the scheduled ones are private and unpublished; a partial block is only ever
-        a last scheduled block, shared by sequences of equal length within it; the counters of unready
-        sequences; every sequence's stored hashes are the chained hashes of its non-draft
-        tokens; only fully scheduled, non-draft blocks carry a hash; the hash map and the pool's
-        keys are one bijection; the pending copies are batch-safe; and, with a host tier, the
-        same for the host: each host block's refcount is the swapped-out sequences holding it
-        plus the pending transfers pinning it, and swapped-out positions hold no device block.
-        Each tier's kept content (a tiered manager keeps every cached block's parent hash and
-        tokens, to republish it on the other tier) is rehashed: a block's tokens chained from its
-        parent give the hash it is mapped under, so a host block holds the tokens its hash names.
+        Each part checks its own structure, in this order: the pool (free + cached-free + used
+        = total, the hash <-> block bijection); the tables against the pool and the manager's
+        counters (:func:`~pagedkv.sequences.check_tables`: refcounts, table lengths, reserved
+        tails, partial blocks, the fast-path slots); the host tier (its refcounts against the
+        swapped-out sequences and pending transfers, its kept content rehashed); the pending
+        copies (batch-safe); the prefix cache (twins, kept content rehashed); and every
+        sequence's hashes against its tokens and the pool's keys
+        (:func:`~pagedkv.sequences.check_hashes`).
         """
-        pool = self._pool
+        pool, cache, tier, hasher = self._pool, self._cache, self._tier, self._hasher
         pool.check_invariants()
-        refs = Counter(chain.from_iterable(s.table for s in self._seqs.values()))
-        refs.pop(-1, None)  # positions of swapped-out sequences that live on the host
-        for b, c in enumerate(pool.refcounts()):
-            _require(refs.get(b, 0) == c, f"block {b}: refcount {c}, referenced {refs.get(b, 0)} times")
-        bs = self._bs
-        unready, swapped, host_refs = check_tables(self._seqs, pool.refcount, bs)
-        _require(unready == self._unready, f"{unready} sequences unready, {self._unready} counted")
-        if self._busy is not None:
-            live = set(map(id, self._seqs.values()))
-            _require(all(id(s) in live and s.host is None for s in self._busy),
-                     "a sequence given work this step is freed or swapped out")
-        _require(swapped == self._swapped, f"{swapped} sequences swapped out, {self._swapped} counted")
-        if self._tier is not None:
-            self._tier.check_invariants(host_refs, self._hasher.rehash)
+        host_refs = check_tables(self._seqs, pool, self._bs, self._unready, self._swapped, self._busy)
+        if tier is not None:
+            tier.check_invariants(host_refs, hasher.rehash)
         else:
-            _require(not swapped, "a sequence is swapped out without a host tier")
+            _require(not self._swapped, "a sequence is swapped out without a host tier")
         self._cq.check_invariants()
-        self._check_cache()
-
-    def _check_cache(self) -> None:
-        cache, keys, bs = self._cache, self._pool.keyed_blocks(), self._bs
-        if cache is None:
-            _require(not keys, "blocks carry keys with prefix caching off")
-            return
-        cache.check_invariants(self._hasher.rehash)
-        chain = lambda data, nfull, keys: self._hasher.chain_keyed(self._root, data, 4 * bs, 0, nfull, keys)  # noqa: E731
-        check_hashes(self._seqs, keys, cache.twins(), chain, bs)
+        if cache is not None:
+            cache.check_invariants(hasher.rehash)
+        check_hashes(self._seqs, pool.keyed_blocks(), cache.twins() if cache is not None else None, hasher,
+                     self._root, self._bs)
 
 
 # inspect.signature(KVCacheManager) reads __new__ first, whose (*args, groups, **kwargs) only

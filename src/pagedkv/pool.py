@@ -128,6 +128,12 @@ class BlockPool:
     def num_used(self) -> int:
         return len(self._rc) - len(self._clean) - len(self._lru)
 
+    def usage_fields(self) -> dict:
+        """The pool's part of :class:`~pagedkv.types.Usage`, from its own counts: its size, the
+        blocks used, clean, cached-free, and the evictions so far."""
+        return dict(num_blocks=self._num_blocks, used_blocks=self.num_used, free_blocks=self.num_clean,
+                    cached_blocks=self.num_cached, evictions=self.evictions)
+
     # ---- queries -----------------------------------------------------------------------------
 
     def refcount(self, block: int) -> int:

@@ -92,6 +92,11 @@ class PrefixCache:
         self.query_tokens += prompt_tokens
         self.hit_tokens += hit_tokens
 
+    def usage_fields(self) -> dict:
+        """The hit statistics' part of :class:`~pagedkv.types.Usage`: prompt tokens admitted,
+        and how many the cache (either tier) served."""
+        return dict(prefix_query_tokens=self.query_tokens, prefix_hit_tokens=self.hit_tokens)
+
     # ---- publishing --------------------------------------------------------------------------
 
     def publish(

@@ -5,15 +5,19 @@ A :class:`Seq` is one sequence's block table (with its int32 mirror for the kern
 and the chained hashes of its full blocks, and the counters that say whether the decode fast
 path may write its next token without a decision. The manager owns the dict of them and is the
 only writer; the functions here read sequences and never touch the pool or the caches, except
-:func:`check_tables`, which reads refcounts.
+:func:`check_tables`, which reads refcounts. Also here: the manager's constructor arguments
+(:func:`manager_args`) and the sequence-table half of a swap (:meth:`Seq.private_blocks`,
+:meth:`Seq.swapped_out`, :meth:`Seq.swapped_in`); the host tier owns the host half.
 """
 from __future__ import annotations
 
 import operator
 import sys
 from array import array
+from collections import Counter
 from operator import itemgetter
 from collections.abc import Sequence as SequenceABC
+from itertools import chain
 from typing import Any, Hashable, Iterable, Sequence
 
 import numpy as np
@@ -21,12 +25,16 @@ import numpy as np
 from .checks import as_int
 from .checks import require
 from .hashing import MAX_TOKEN_ID, ExtraKeys
+from .host_tier import WRITE_POLICIES
+from .pool import MAX_BLOCKS
 
 __all__ = ["Seq", "token_array", "batch_arguments", "batch_seqs", "id_sequence", "le_bytes", "known", "count", "as_token", "slots_of",
            "not_ready", "block_tables", "flashinfer_layout", "scheduled_tables", "logical_usage",
-           "check_tables", "blocks_for_step", "check_hashes", "filled_columns"]
+           "check_tables", "blocks_for_step", "check_hashes", "filled_columns", "manager_args", "on_device",
+           "MAX_BLOCK_SIZE"]
 
 _BIG_ENDIAN = sys.byteorder == "big"
+MAX_BLOCK_SIZE = 2**31 - 1  # FlashInfer's last_page_len and every slot stay int32/int64-exact
 
 
 class Seq:
@@ -116,6 +124,38 @@ class Seq:
             self.mirror = np.empty(max(8, 2 * n), dtype=np.int32)
             self.mirror[:n] = self.table
         return self.mirror[:n]
+
+    def private_blocks(self, refcount, hashed: bool) -> tuple[list[int], list[int], list]:
+        """What a swap-out moves: ``(indexes, blocks, hashes)`` of the blocks no other table
+        holds (``refcount`` 1), each with its chained hash (None for a block not full, or for
+        every block when ``hashed`` is False: prefix caching off). Example (block size 4, 9
+        tokens in [3, 8, 5], block 3 shared with a fork) -> ([1, 2], [8, 5], [h1, None])."""
+        table = self.table
+        private = [i for i, b in enumerate(table) if refcount(b) == 1]
+        nh = len(self.hashes) if hashed else 0
+        return private, [table[i] for i in private], [self.hashes[i] if i < nh else None for i in private]
+
+    def swapped_out(self, private: list[int], host: list[int]) -> None:
+        """The blocks at ``private`` moved to ``host`` blocks: their entries read -1 until
+        :meth:`swapped_in`, the mirror is dropped (rebuilt at the next export), no fast path."""
+        table = self.table
+        for i in private:
+            table[i] = -1
+        self.mirror = None
+        self.host = dict(zip(private, host))
+        self.nxt = -1
+
+    def swapped_in(self, revive: dict[int, int], loads: list[int], new: list[int]) -> tuple[list[int], list[int]]:
+        """Back on the device: index -> device block for the revived ones, ``new`` blocks for
+        the ``loads`` indexes. Returns the host blocks ``(loaded, revived)`` the sequence lets
+        go of (the host tier's :meth:`~pagedkv.host_tier.HostTier.swap_in` takes them)."""
+        table, host = self.table, self.host
+        for i, d in revive.items():
+            table[i] = d
+        for i, d in zip(loads, new):
+            table[i] = d
+        self.host = None
+        return [host[i] for i in loads], [host[i] for i in revive]
 
 
 
@@ -224,6 +264,34 @@ def count(value: Any, what: str) -> int:
     return value
 
 
+def manager_args(num_blocks: Any, block_size: Any, enable_prefix_caching: Any, enable_events: Any,
+                 host_blocks: Any, host_write_policy: Any) -> tuple[int, int, int]:
+    """``KVCacheManager``'s constructor arguments, checked before anything is built: returns
+    ``(num_blocks, block_size, host_blocks)`` as Python ints. Block ids and page lengths are
+    exported as int32, so both sizes stop at 2**31 - 1. Example: ``(np.int64(64), 16, True,
+    True, 0, "write-back")`` -> ``(64, 16, 0)``; ``block_size=0`` raises ValueError."""
+    block_size = as_int(block_size, "block_size")
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(
+            f"block_size must be an int in [1, {MAX_BLOCK_SIZE}] (page lengths are exported "
+            f"as int32), got {block_size!r}"
+        )
+    num_blocks = as_int(num_blocks, "num_blocks")
+    if not 1 <= num_blocks <= MAX_BLOCKS:
+        raise ValueError(
+            f"num_blocks must be an int in [1, {MAX_BLOCKS}] (block ids are exported as "
+            f"int32), got {num_blocks!r}"
+        )
+    if not isinstance(enable_prefix_caching, bool) or not isinstance(enable_events, bool):
+        raise ValueError("enable_prefix_caching and enable_events must be bools")
+    host_blocks = count(host_blocks, "host_blocks")
+    if host_blocks > MAX_BLOCKS:
+        raise ValueError(f"host_blocks must be at most {MAX_BLOCKS}, got {host_blocks}")
+    if host_write_policy not in WRITE_POLICIES:
+        raise ValueError(f"host_write_policy must be one of {WRITE_POLICIES}, got {host_write_policy!r}")
+    return num_blocks, block_size, host_blocks
+
+
 def as_token(token: Any) -> int:
     """Accept numpy integers (and bools, as lists of bools are) as token ids; reject the rest."""
     if isinstance(token, (float, str, bytes)) or isinstance(token, np.floating):
@@ -255,6 +323,20 @@ def slots_of(s: Seq, start: int, stop: int, bs: int, offsets: np.ndarray | None)
     rows = (blocks[:, None] * bs + offsets).ravel()
     lo = start - first * bs
     return rows[lo : lo + stop - start]
+
+
+def on_device(seqs: dict, seq_ids: Iterable[Hashable], swapped: int) -> list[Seq]:
+    """The sequences of a kernel export: known (KeyError), hashable and, when any sequence is
+    swapped out (``swapped`` > 0), on the device (ValueError)."""
+    try:
+        out = [seqs[i] for i in seq_ids]
+    except TypeError:
+        raise ValueError("sequence ids must be hashable") from None
+    if swapped:
+        for sid, s in zip(seq_ids, out):
+            if s.host is not None:
+                raise ValueError(not_ready(sid, s, "export the block table of"))
+    return out
 
 
 def not_ready(seq_id: Hashable, s: Seq, what: str) -> str:
@@ -303,11 +385,12 @@ def flashinfer_layout(ss: Sequence[Seq], bs: int, unready: bool) -> tuple[np.nda
     return indptr, indices, last_page_len
 
 
-def logical_usage(seqs: Iterable[Seq], bs: int) -> tuple[int, int, dict[int, int], int]:
-    """``(logical tokens, logical blocks, {partial last block: tokens it holds}, reserved
-    blocks)`` over the sequences' scheduled positions on the device: what ``usage()`` compares
-    with the pool's used blocks. Example (block size 4): one 6-token sequence in [0, 1] ->
-    (6, 2, {1: 2}, 0)."""
+def logical_usage(seqs: Iterable[Seq], bs: int, used: int) -> tuple[int, int, int]:
+    """``(logical tokens, stored tokens, logical blocks)`` over the sequences' scheduled
+    positions on the device, given the pool's ``used`` blocks: what ``usage()`` reports.
+    Stored tokens count each used block once, less partial last blocks' empty tails and
+    reserved blocks (``reserve=True``: held, nothing scheduled in them yet). Example (block
+    size 4): one 6-token sequence in [0, 1], 2 blocks used -> (6, 6, 2)."""
     logical = logical_blocks = reserved = 0
     partial: dict[int, int] = {}
     for s in seqs:
@@ -326,14 +409,27 @@ def logical_usage(seqs: Iterable[Seq], bs: int) -> tuple[int, int, dict[int, int
             partial[s.table[n // bs]] = n % bs
         if s.unscheduled:
             reserved += len(s.table) - -(-n // bs)
-    return logical, logical_blocks, partial, reserved
+    stored = (used - reserved) * bs - len(partial) * bs + sum(partial.values())
+    return logical, stored, logical_blocks
 
 
-def check_tables(seqs: dict, refcount, bs: int) -> tuple[int, int, dict[int, int]]:
-    """The per-sequence half of the manager's ``check_invariants``: counters, table lengths
-    (reserved tails private), mirrors, partial blocks shared only at equal fills, fast-path
-    slots private. Returns ``(unready, swapped, host block -> swapped sequences holding it)``
-    for the manager to compare with its counters and the host tier."""
+def check_tables(seqs: dict, pool, bs: int, unready_count: int, swapped_count: int,
+                 busy: set | None) -> dict[int, int]:
+    """The tables' half of the manager's ``check_invariants``, against ``pool`` (read through
+    ``refcounts`` and ``refcount``): each block's refcount is the number of table entries
+    pointing at it; counters; each table has ``ceil(num_computed / block_size)`` entries, or,
+    for a prompt admitted with ``reserve=True`` and not fully scheduled, ``ceil(num_tokens /
+    block_size)`` whose blocks past the scheduled ones are private; mirrors; a partial block is
+    only ever a last scheduled block, shared by sequences of equal length within it; fast-path
+    slots private; swapped-out positions hold no device block. ``unready_count`` and
+    ``swapped_count`` are the manager's counters, ``busy`` its sequences given work this step
+    (None without a host tier). Returns host block -> swapped sequences holding it, for the
+    host tier's check."""
+    refs = Counter(chain.from_iterable(s.table for s in seqs.values()))
+    refs.pop(-1, None)  # positions of swapped-out sequences that live on the host
+    for b, c in enumerate(pool.refcounts()):
+        require(refs.get(b, 0) == c, f"block {b}: refcount {c}, referenced {refs.get(b, 0)} times")
+    refcount = pool.refcount
     partial_fill: dict[int, int] = {}
     unready = swapped = 0
     host_refs: dict[int, int] = {}
@@ -371,7 +467,13 @@ def check_tables(seqs: dict, refcount, bs: int) -> tuple[int, int, dict[int, int
     for sid, s in seqs.items():
         for b in s.table[: s.computed // bs]:
             require(b not in partial_fill, f"block {b} is full in {sid!r} but partial elsewhere")
-    return unready, swapped, host_refs
+    require(unready == unready_count, f"{unready} sequences unready, {unready_count} counted")
+    if busy is not None:
+        live = set(map(id, seqs.values()))
+        require(all(id(s) in live and s.host is None for s in busy),
+                "a sequence given work this step is freed or swapped out")
+    require(swapped == swapped_count, f"{swapped} sequences swapped out, {swapped_count} counted")
+    return host_refs
 
 
 def blocks_for_step(ss: Iterable[Seq], bs: int, refcount) -> tuple[int, int]:
@@ -396,15 +498,19 @@ def blocks_for_step(ss: Iterable[Seq], bs: int, refcount) -> tuple[int, int]:
     return fresh, sum(min(k, refcount(b) - 1) for b, k in sharers.items())
 
 
-def check_hashes(seqs: dict, keyed: dict, twins: dict, chain, bs: int) -> None:
-    """Every sequence's stored hashes are its non-draft tokens' chained hashes (``chain(data,
-    nfull, keys)`` recomputes them); only fully scheduled, non-draft blocks carry a hash
-    (``keyed``: block -> hash), each the hash of its own content; a full block without one is a
-    remembered twin (``twins``: block -> hash), and every twin is such a block."""
+def check_hashes(seqs: dict, keyed: dict, twins: dict | None, hasher, root: Hashable, bs: int) -> None:
+    """Every sequence's stored hashes are its non-draft tokens' chained hashes (``hasher``
+    recomputes them from ``root``); only fully scheduled, non-draft blocks carry a hash
+    (``keyed``: block -> hash, the pool's), each the hash of its own content; a full block
+    without one is a remembered twin (``twins``: block -> hash, the prefix cache's), and every
+    twin is such a block. ``twins`` None: prefix caching is off, and no block carries a hash."""
+    if twins is None:
+        require(not keyed, "blocks carry keys with prefix caching off")
+        return
     held_twins = {}
     for sid, s in seqs.items():
         nfull = (len(s.tokens) - s.drafts) // bs
-        expect = chain(le_bytes(s.tokens[: nfull * bs]), nfull, s.keys)
+        expect = hasher.chain_keyed(root, le_bytes(s.tokens[: nfull * bs]), 4 * bs, 0, nfull, s.keys)
         require(s.hashes == expect, f"sequence {sid!r}: stored hashes are not its tokens' hashes")
         offered = (s.computed - s.drafts) // bs
         for i, b in enumerate(s.table):
