@@ -101,7 +101,7 @@ def serving_tables(opts: ReportOptions) -> tuple[list[Table], dict, list[str]]:
     t = Table(f"Serving {MODEL} on the first {data['trace_requests']:,} Mooncake requests, uniform "
               "against grouped KV (modelled throughput)",
               ["KV budget GiB", "budget (uniform requests)", "allocator", "blocks", "mean running",
-               "peak running", "tokens/s (modelled)", "preemptions", "finished"])
+               "peak running", "output tokens/s (modelled)", "preemptions", "finished"])
     for k, by in data["runs"].items():
         b = data["budgets"][k]
         for name, r in by.items():
@@ -112,7 +112,7 @@ def serving_tables(opts: ReportOptions) -> tuple[list[Table], dict, list[str]]:
     for k, by in data["runs"].items():
         u, g = by[UNIFORM_NAME], by[GROUPED_NAME]
         gains.append(f"{g['mean_running'] / u['mean_running']:.2f}x the requests at once and "
-                     f"{g['tokens_per_s'] / u['tokens_per_s']:.2f}x the tokens/s at {k} requests' budget")
+                     f"{g['tokens_per_s'] / u['tokens_per_s']:.2f}x the output tokens/s at {k} requests' budget")
     t.notes += [
         f"grouped against uniform: {'; '.join(gains)}.",
         f"budget: the uniform KV of k requests of the served requests' mean final length "
