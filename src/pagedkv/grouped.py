@@ -31,15 +31,26 @@ admitted whole, then one decode token): the admission takes 63 blocks per group 
 queries read every position); the first append releases the sliding group's blocks 0 .. 53
 (position 1,000 reads 873 .. 1,000), so the sequence holds 63 + 9 blocks, not 126.
 
-A grouped manager has no host tier yet: ``host_blocks > 0`` raises ``ValueError``; ``swap_out``
-and ``swap_in`` raise ``ValueError`` (there is no tier to swap to); ``reserve=True`` is refused
-(reserving a whole prompt's blocks in a sliding group would hold what the window releases).
+**Swaps** (``host_blocks > 0``): ``swap_out`` first makes the releases due (the step that read
+them has run: a sequence given work since the last ``take_transfers()`` is refused), then moves
+every live block of every group that no other sequence holds to a host block, with
+``Transfer("to_host", device, host, group=g)``; released entries stay -1, shared ones stay on
+the device. ``swap_in`` gives each moved entry a device block again (``Transfer("to_device",
+host, device, group=g)``), or revives the device block still cached under its ``(group, hash)``
+with no transfer. The host tier here holds swapped-out sequences only: no host prefix cache (no
+offload of evicted blocks, no host hits, no ``"CPU"`` events) whatever ``host_write_policy``
+says, so ``lookup(...).host`` is always 0. Why: a sliding group's chain has released holes, so
+the plain tier's rule that a host block is kept only while its parent hash is on a tier would
+drop most window blocks; the per-group rule is not built yet (docs/design.md 3.12.1).
+``reserve=True`` is refused (reserving a whole prompt's blocks in a sliding group would hold
+what the window releases).
 
 Not thread-safe: one engine thread calls it. It pickles to an equal state.
 """
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import Counter, OrderedDict
 from itertools import chain
 from typing import Any, Hashable, Iterable, Sequence
@@ -59,10 +70,10 @@ from .sequences import le_bytes as _le_bytes
 from .sequences import batch_arguments as _batch_arguments
 from .sequences import batch_seqs as _batch_seqs
 from .sequences import token_array as _token_array
+from .host_tier import WRITE_POLICIES, HostTier
 from .pending_events import EventLog
 from .prefix_cache import PrefixCache
-from .types import (BlockRemoved, BlockStored, OutOfBlocks, PrefixHit,
-                    Transfer, Usage)
+from .types import TO_HOST, BlockRemoved, BlockStored, OutOfBlocks, PrefixHit, Transfer, Usage
 
 __all__ = ["GroupedKVCacheManager", "next_release"]
 
@@ -136,7 +147,7 @@ class _GSeq:
     """
 
     __slots__ = ("tables", "low", "tokens", "hashes", "keys", "nxt", "end", "unscheduled", "drafts",
-                 "written", "shared")
+                 "written", "shared", "host")
 
     def __init__(self, tables, low, tokens, hashes, keys, unscheduled=0, written=0) -> None:
         self.tables = tables
@@ -152,6 +163,9 @@ class _GSeq:
         # A fork may have shared the last blocks: the next write checks refcounts (and copies).
         # Only fork shares a partial block; a fresh last block clears it.
         self.shared = False
+        # Swapped out: per group, table index -> the host block holding that entry (whose
+        # table entry reads -1 meanwhile); None on the device.
+        self.host: list[dict[int, int]] | None = None
 
     @property
     def computed(self) -> int:
@@ -189,11 +203,11 @@ class GroupedKVCacheManager(KVCacheManager):
             raise ValueError(f"num_blocks must be at most {MAX_BLOCKS}, got {num_blocks}")
         flag("enable_prefix_caching", enable_prefix_caching)
         flag("enable_events", enable_events)
-        if int_at_least("host_blocks", host_blocks, 0):
-            raise ValueError("the host tier does not take groups yet (host_blocks must be 0 with groups)")
-        if host_write_policy not in ("write-back", "write-through", "none"):
-            raise ValueError(f"host_write_policy must be one of write-back, write-through, none, got "
-                             f"{host_write_policy!r}")
+        host_blocks = int_at_least("host_blocks", host_blocks, 0)
+        if host_blocks > MAX_BLOCKS:
+            raise ValueError(f"host_blocks must be at most {MAX_BLOCKS}, got {host_blocks}")
+        if host_write_policy not in WRITE_POLICIES:
+            raise ValueError(f"host_write_policy must be one of {WRITE_POLICIES}, got {host_write_policy!r}")
         self._specs = specs
         self._ng = len(specs)
         self._window_eviction = window_eviction
@@ -218,15 +232,38 @@ class GroupedKVCacheManager(KVCacheManager):
         self._memo_blocks = 0
         self._cow_copies = 0
         self._forks = 0
+        # The host tier (swaps only: see the module docstring), its blocks' groups (set when a
+        # swap_out takes a host block; a host block is in one group while held, and only
+        # swap_out allocates here), and the sequences given positions or blocks since the last
+        # take_transfers() (their K/V is written after that drain: swap_out refuses them).
+        # None without a tier: the hot paths pay one test, append_token none.
+        self._tier = (HostTier(host_blocks, block_size, None, host_write_policy, caching=False)
+                      if host_blocks else None)
+        self._host_group = array("i", bytes(4 * host_blocks)) if host_blocks else None
+        self._busy: set | None = set() if host_blocks else None
+        self._swapped = 0
+        if host_blocks:
+            self.append_token = self._append_token_marking
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         del state["_digest"]
+        state.pop("append_token", None)  # a bound method of this instance; rebound below
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._digest = self._hasher.digest
+        if self._busy is not None:
+            self.append_token = self._append_token_marking
+
+    def _append_token_marking(self, seq_id: Hashable, token_id: int) -> int:
+        """``append_token`` with a host tier: the sequence was given a position this step, so
+        ``swap_out`` refuses it until the next ``take_transfers()`` (bound on the instance, so
+        a manager without a tier pays nothing per token)."""
+        slot = GroupedKVCacheManager.append_token(self, seq_id, token_id)
+        self._busy.add(self._seqs[seq_id])
+        return slot
 
     # ---- properties --------------------------------------------------------------------------
 
@@ -242,15 +279,20 @@ class GroupedKVCacheManager(KVCacheManager):
 
     @property
     def num_host_blocks(self) -> int:
-        return 0
+        """Blocks of the host tier (0 without one)."""
+        return self._tier.num_blocks if self._tier is not None else 0
 
     @property
     def num_free_host_blocks(self) -> int:
-        return 0
+        """Host blocks a swap can take now (blocks held by swapped-out sequences or by
+        undrained transfers are not free)."""
+        return self._tier.num_free if self._tier is not None else 0
 
     def num_swapped_blocks(self, seq_id: Hashable) -> int:
-        self._seq(seq_id)
-        return 0
+        """Entries of the sequence, over all groups, that live on the host (0 unless it is
+        swapped out)."""
+        s = self._seq(seq_id)
+        return sum(map(len, s.host)) if s.host is not None else 0
 
     def _group(self, group: Any) -> int:
         g = as_int(group, "group")
@@ -275,6 +317,8 @@ class GroupedKVCacheManager(KVCacheManager):
         ``ValueError``: its K/V is gone from that group."""
         s = self._seq(seq_id)
         g = self._group(group)
+        if s.host is not None:
+            raise ValueError(self._not_ready(seq_id, s, "read the slots of"))
         n = s.computed
         start = as_int(start, "start")
         stop = n if stop is None else as_int(stop, "stop")
@@ -478,6 +522,8 @@ class GroupedKVCacheManager(KVCacheManager):
             self._unready += 1
         else:
             self._arm(s)
+        if self._busy is not None and computed > hit:  # new positions: nothing computed yet
+            self._busy.add(s)
         self._seqs[seq_id] = s
         return hit
 
@@ -508,6 +554,8 @@ class GroupedKVCacheManager(KVCacheManager):
                 for g in range(ng):
                     s.tables[g] += new[g::ng]
         s.unscheduled = rest - n
+        if self._busy is not None:
+            self._busy.add(s)
         if self._cache is not None:
             self._publish_run(s, start // bs, stop // bs)
         if not s.unscheduled:
@@ -568,7 +616,7 @@ class GroupedKVCacheManager(KVCacheManager):
             raise ValueError(f"token id {token_id} outside [0, {MAX_TOKEN_ID}]")
         slot = s.nxt
         if slot < 0:
-            if s.unscheduled or s.drafts:
+            if s.unscheduled or s.drafts or s.host is not None:
                 raise ValueError(self._not_ready(seq_id, s, "append to"))
             due = self._due(s)
             fresh, copies = self._needs((s,))
@@ -677,7 +725,7 @@ class GroupedKVCacheManager(KVCacheManager):
         speculative = bool(speculative)
         toks = _token_array(token_ids)
         k = len(toks)
-        if s.unscheduled or (s.drafts and not speculative):
+        if s.unscheduled or (s.drafts and not speculative) or s.host is not None:
             raise ValueError(self._not_ready(seq_id, s, "append to"))
         if not k:
             return []
@@ -695,6 +743,8 @@ class GroupedKVCacheManager(KVCacheManager):
         s.nxt = -1
         if speculative and not s.drafts:
             self._unready += 1
+        if self._busy is not None:
+            self._busy.add(s)
         out = []
         publish = self._cache is not None and not speculative
         for t in toks:
@@ -768,7 +818,7 @@ class GroupedKVCacheManager(KVCacheManager):
         ss = _batch_seqs(self._seqs, seq_ids)
         if self._unready:
             for sid, s in zip(seq_ids, ss):
-                if s.unscheduled or s.drafts:
+                if s.unscheduled or s.drafts or s.host is not None:
                     raise ValueError(self._not_ready(sid, s, "append to"))
         if self._pool.num_free < self._ng * n or self._cq.sources:  # only then can the batch fail
             slow = [s for s in ss if s.nxt < 0]
@@ -777,6 +827,8 @@ class GroupedKVCacheManager(KVCacheManager):
             self._cq.check_room(fresh, copies, "a decode step", (), self._gain(dues) if dues else ())
             for s, d in dues:  # every release before any allocation: they may serve the step
                 self._release(s, d)
+        if self._busy is not None:
+            self._busy.update(ss)
         bs = self._bs
         slot_slow = self._slot_slow
         out = []
@@ -800,6 +852,8 @@ class GroupedKVCacheManager(KVCacheManager):
         return np.fromiter(out, dtype=np.int64, count=n)
 
     def _not_ready(self, seq_id: Hashable, s: _GSeq, what: str) -> str:
+        if s.host is not None:
+            return f"cannot {what} {seq_id!r}: it is swapped out (call swap_in first)"
         if s.unscheduled:
             return (f"cannot {what} {seq_id!r}: {s.unscheduled} prompt positions are not "
                     f"scheduled yet (call prefill first)")
@@ -836,18 +890,124 @@ class GroupedKVCacheManager(KVCacheManager):
     # ---- copies, transfers, swaps ------------------------------------------------------------
 
     def take_transfers(self) -> list[Transfer]:
-        """Always empty: a grouped manager has no host tier."""
-        return []
+        """Drain the swaps' block transfers, each tagged with its group (``Transfer(direction,
+        src, dst, group=g)``), every ``to_host`` before every ``to_device``; run them before
+        this step's copies and K/V writes. Always empty without a host tier. It marks the step
+        boundary for ``swap_out``: the K/V of everything scheduled before it is written after."""
+        tier = self._tier
+        if tier is None:
+            return []
+        self._busy.clear()
+        group = self._host_group
+        return [Transfer(t.direction, t.src, t.dst, group[t.dst if t.direction == TO_HOST else t.src])
+                for t in tier.take_transfers(None)]
 
     def swap_out(self, seq_id: Hashable) -> None:
-        """Refused: a grouped manager has no host tier yet (ValueError)."""
-        self._seq(seq_id)
-        raise ValueError("swap_out needs a host tier, and the host tier does not take groups yet")
+        """Preempt a sequence: every live entry of every group that no other sequence holds
+        moves to a host block.
+
+        First the releases due are made (the windows' blocks the next query no longer reads:
+        no host block for them). Then, group by group, entries in table order, each private
+        block gets a host block and ``Transfer("to_host", block, host, group=g)``, its entry
+        reads -1, and the device block is released (tail first over the groups, as ``free``;
+        a published one stays revivable under its ``(group, hash)``). Shared entries stay, the
+        sequence keeping its reference. Until ``swap_in`` the sequence cannot be appended to,
+        forked or exported. Refused (ValueError) without a host tier, for a sequence already
+        swapped out, mid-prefill or holding drafts, or given positions or blocks since the last
+        ``take_transfers()`` (its K/V is written only after that drain), or with a pending
+        copy into its blocks. Atomic: OutOfBlocks (too few free host blocks) changes nothing.
+        Example (block size 4, ``[Full, Sliding(4)]``, 9 tokens then one decode token: tables
+        [0, 2, 4] and [-1, 3, 5]): five host blocks, to_host 0->0, 2->1, 4->2 (group 0) and
+        3->3, 5->4 (group 1); both tables read [-1, -1, -1].
+        """
+        s = self._seq(seq_id)
+        tier = self._tier
+        if tier is None:
+            raise ValueError("swap_out needs a host tier (KVCacheManager(..., host_blocks=N))")
+        if s.host is not None:
+            raise ValueError(f"sequence {seq_id!r} is already swapped out")
+        if s.unscheduled or s.drafts:
+            raise ValueError(self._not_ready(seq_id, s, "swap out"))
+        live = [b for g, t in enumerate(s.tables) for b in t[s.low[g]:]]
+        if s in self._busy or tier.pending_on(live) or any(map(self._cq.is_destination, live)):
+            raise ValueError(f"cannot swap out {seq_id!r}: it was given positions or blocks in this step "
+                             f"(or a copy or transfer of its blocks is pending), whose K/V is written only "
+                             f"after take_transfers(); swap it out before scheduling it, or after the step")
+        due = self._due(s)
+        low = list(s.low)
+        for g, _a, b in due:
+            low[g] = b
+        rc = self._pool.refcount
+        # private entries from the first one the releases keep (a block sits at one index of
+        # one group's table, so a released entry never shares a block with a moved one)
+        moved = [[i for i in range(low[g], len(t)) if rc(t[i]) == 1] for g, t in enumerate(s.tables)]
+        device = [s.tables[g][i] for g, idx in enumerate(moved) for i in idx]
+        host = tier.swap_out(device, [None] * len(device), f"swapping out {seq_id!r}")
+        if due:
+            self._release(s, due)
+        s.host = []
+        it = iter(host)
+        group = self._host_group
+        for g, idx in enumerate(moved):
+            table, mine = s.tables[g], {}
+            for i in idx:
+                hb = mine[i] = next(it)
+                group[hb] = g
+                table[i] = -1
+            s.host.append(mine)
+        s.nxt = -1
+        self._unready += 1
+        self._swapped += 1
+        at = {}  # (index, group) -> the device block that entry held
+        for (g, i), b in zip(((g, i) for g, idx in enumerate(moved) for i in idx), device):
+            at[i, g] = b
+        order = [at[k] for k in sorted(at, key=lambda k: (-k[0], k[1]))]
+        cache = self._cache
+        if cache is not None and cache.has_twins:
+            cache.forget_twins(cache.twins_among(order))  # (all private: their last reference goes)
+        self._pool.release_all(order)
 
     def swap_in(self, seq_id: Hashable) -> None:
-        """Refused: nothing is ever swapped out of a grouped manager (ValueError)."""
-        self._seq(seq_id)
-        raise ValueError(f"sequence {seq_id!r} is not swapped out (the host tier does not take groups yet)")
+        """Bring a swapped-out sequence back: each moved entry gets a device block and a
+        ``Transfer("to_device", host, block, group=g)``, or, for a full block whose
+        ``(group, hash)`` the device still caches, that block (revived, no transfer). Loaded
+        full blocks are published again (their K/V is back before the step's reads). Atomic:
+        OutOfBlocks changes nothing. Example (the ``swap_out`` example, nothing evicted since,
+        prefix caching on): the full blocks 0, 2 (group 0) and 3 (group 1) are revived; the
+        partial ones load into fresh blocks: tables [0, 2, 5] and [-1, 3, 4], transfers
+        to_device 2->5 (group 0) and 4->4 (group 1)."""
+        s = self._seq(seq_id)
+        if s.host is None:
+            raise ValueError(f"sequence {seq_id!r} is not swapped out")
+        cache, bs = self._cache, self._bs
+        nfull = s.computed // bs
+        revive: list[tuple[int, int, int]] = []  # (group, index, device block)
+        loads: list[tuple[int, int]] = []  # (group, index)
+        for g, mine in enumerate(s.host):
+            for i in sorted(mine):
+                d = cache.get((g, s.hashes[i])) if cache is not None and i < nfull else None
+                if d is not None and not self._cq.is_destination(d):
+                    revive.append((g, i, d))
+                else:
+                    loads.append((g, i))
+        revived = [d for _, _, d in revive]
+        self._cq.check_room(0, len(loads), f"swapping in {seq_id!r}", revived)
+        new = self._cq.allocate(0, len(loads), revived)[0]
+        for g, i, d in revive:
+            s.tables[g][i] = d
+        for (g, i), d in zip(loads, new):
+            s.tables[g][i] = d
+        self._tier.swap_in([s.host[g][i] for g, i in loads], new, [s.host[g][i] for g, i, _ in revive])
+        s.host = None
+        self._unready -= 1
+        self._swapped -= 1
+        if cache is not None:  # loaded full blocks are findable again (a hash mapped meanwhile
+            for (g, i), d in zip(loads, new):  # makes the block its twin)
+                if i < nfull:
+                    cache.publish([d], [(g, s.hashes[i])], (g, s.hashes[i - 1] if i else self._root),
+                                  s.tokens[i * bs : (i + 1) * bs], bs,
+                                  None if s.keys is None else s.keys.block_keys(i, i + 1))
+        self._arm(s)
 
     # ---- fork and free -----------------------------------------------------------------------
 
@@ -857,7 +1017,7 @@ class GroupedKVCacheManager(KVCacheManager):
         p = self._seq(parent_id)
         if _known(self._seqs, child_id):
             raise ValueError(f"sequence {child_id!r} already exists")
-        if p.unscheduled or p.drafts:
+        if p.unscheduled or p.drafts or p.host is not None:
             raise ValueError(self._not_ready(parent_id, p, "fork"))
         pool = self._pool
         for g, t in enumerate(p.tables):
@@ -867,25 +1027,40 @@ class GroupedKVCacheManager(KVCacheManager):
         child = self._seqs[child_id] = _GSeq([t.copy() for t in p.tables], p.low.copy(), p.tokens[:],
                                              p.hashes.copy(), p.keys, written=p.computed // self._bs)
         child.shared = True
+        if self._busy and p in self._busy:  # forked before the step ran (against the rule)
+            self._busy.add(child)
         self._forks += 1
 
     def free(self, seq_id: Hashable, *, cache: bool = True) -> None:
         """Release every live block of every group, tail first (block i of every group before
         block i - 1). ``cache=False``: the blocks after the written prefix that it alone holds
-        are unpublished first (their K/V was never computed)."""
+        are unpublished first (their K/V was never computed). A swapped-out sequence lets go of
+        its host blocks and of the shared entries it kept on the device. A block it alone holds
+        whose ``swap_in`` load is still pending loses that load and its hash (its K/V never
+        arrives)."""
         flag("cache", cache)
         s = self._seq(seq_id)
         del self._seqs[seq_id]
-        if s.unscheduled or s.drafts:
+        if s.unscheduled or s.drafts or s.host is not None:
             self._unready -= 1
+        if self._busy:
+            self._busy.discard(s)
+        if s.host is not None:
+            self._swapped -= 1
+            self._tier.release([hb for mine in s.host for _, hb in sorted(mine.items())])
         tables = s.tables
         rc = self._pool.refcount
         if cache and self._window_eviction == "with_prefix" and self._local and self._cache is not None:
             tables = self._with_released(s, rc)
         order = [b for i in range(len(tables[0]) - 1, -1, -1) for t in tables for b in (t[i],) if b >= 0]
         self._let_go(order, rc)
-        if not cache and self._cache is not None:
-            mine = [b for t in tables for b in t[s.written:] if b >= 0 and rc(b) == 1]
+        tier = self._tier
+        unloaded = tier.drop_released_loads(order, rc) if tier is not None else []
+        if self._cache is not None and (unloaded or not cache):
+            mine = unloaded
+            if not cache:
+                gone = set(unloaded)
+                mine = mine + [b for t in tables for b in t[s.written:] if b >= 0 and rc(b) == 1 and b not in gone]
             if mine:
                 self._cache.unpublish(mine)
         self._pool.release_all(order)
@@ -914,8 +1089,10 @@ class GroupedKVCacheManager(KVCacheManager):
         return tables
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached hash of every group; refused (False) while any block is in use."""
-        if self._pool.num_used:
+        """Drop every cached hash of every group; refused (False) while any block is in use on
+        either tier or a transfer is pending (so while any sequence is live, swapped out or not)."""
+        tier = self._tier
+        if self._pool.num_used or (tier is not None and (tier.num_used or tier.has_pending())):
             return False
         if self._cache is not None:
             self._cache.clear()
@@ -927,10 +1104,16 @@ class GroupedKVCacheManager(KVCacheManager):
 
     def _seq_list(self, seq_ids: Iterable[Hashable]) -> list[_GSeq]:
         seqs = self._seqs
+        seq_ids = list(seq_ids)
         try:
-            return [seqs[i] for i in seq_ids]
+            out = [seqs[i] for i in seq_ids]
         except TypeError:
             raise ValueError("sequence ids must be hashable") from None
+        if self._swapped:
+            for sid, s in zip(seq_ids, out):
+                if s.host is not None:
+                    raise ValueError(self._not_ready(sid, s, "export the block table of"))
+        return out
 
     def block_tables(self, seq_ids: Sequence[Hashable], pad: int = -1, group: int = 0) -> np.ndarray:
         """Group ``group``'s tables as one padded ``np.int32[len(seq_ids), max_blocks]``;
@@ -995,9 +1178,11 @@ class GroupedKVCacheManager(KVCacheManager):
             for g in groups:
                 t = s.tables[g]
                 live = t[s.low[g]:]
+                if s.host is not None:  # swapped out: only its shared entries are on the device
+                    live = [b for b in live if b >= 0]
                 used.update(live)
                 logical_blocks += len(live)
-                if c % bs:
+                if c % bs and t[-1] >= 0:
                     partial[t[-1]] = c % bs
         stored = len(used) * bs - len(partial) * bs + sum(partial.values())
         nused = len(used) if group is not None else pool.num_used
@@ -1010,6 +1195,8 @@ class GroupedKVCacheManager(KVCacheManager):
             g = groups[0]
             cached = sum(1 for b, key in pool.keyed_blocks().items() if key[0] == g and pool.is_cached(b))
         allocated = nused * bs
+        tier = self._tier
+        host = dict(tier.usage_fields(), swapped_sequences=self._swapped) if tier is not None else {}
         return Usage(
             num_blocks=pool.num_blocks,
             block_size=bs,
@@ -1027,6 +1214,7 @@ class GroupedKVCacheManager(KVCacheManager):
             cow_copies=self._cow_copies,
             forks=self._forks,
             evictions=pool.evictions,
+            **host,
         )
 
     def check_invariants(self) -> None:
@@ -1044,7 +1232,8 @@ class GroupedKVCacheManager(KVCacheManager):
         bs = self._bs
         refs: Counter = Counter()
         owner: dict[int, int] = {}
-        unready = 0
+        unready = swapped = 0
+        host_refs: dict[int, int] = {}
         partial_fill: dict[int, int] = {}
         for sid, s in self._seqs.items():
             n, done = len(s.tokens), s.computed
@@ -1052,21 +1241,34 @@ class GroupedKVCacheManager(KVCacheManager):
             _require(n >= 1 and 0 <= s.unscheduled <= n and 0 <= s.drafts <= done, f"{sid!r}: bad counters")
             _require(not (s.unscheduled and s.drafts), f"{sid!r}: drafts mid-prefill")
             _require(0 <= s.written <= c // bs, f"{sid!r}: bad written prefix")
-            unready += bool(s.unscheduled or s.drafts)
+            unready += bool(s.unscheduled or s.drafts or s.host is not None)
             _require(len(s.tables) == self._ng == len(s.low), f"{sid!r}: a table per group")
+            if s.host is not None:
+                swapped += 1
+                _require(self._tier is not None and len(s.host) == self._ng, f"{sid!r}: swapped out without a tier")
+                _require(not s.unscheduled and not s.drafts and s.nxt < 0, f"{sid!r}: swapped out mid-step")
+                for g, mine in enumerate(s.host):
+                    for i, hb in mine.items():
+                        _require(s.low[g] <= i < len(s.tables[g]) and s.tables[g][i] == -1,
+                                 f"{sid!r} group {g}: host entry {i} is not a live index reading -1")
+                        _require(self._host_group[hb] == g, f"host block {hb} of group {g} tagged otherwise")
+                        host_refs[hb] = host_refs.get(hb, 0) + 1
             for g, (spec, t) in enumerate(zip(self._specs, s.tables)):
                 lo = s.low[g]
+                on_host = s.host[g] if s.host is not None else {}
                 _require(len(t) == -(-done // bs), f"{sid!r} group {g}: {len(t)} blocks for {done} positions")
-                _require(all(b == -1 for b in t[:lo]) and all(b >= 0 for b in t[lo:]),
-                         f"{sid!r} group {g}: entries below {lo} must read -1, the rest be live")
+                _require(all(b == -1 for b in t[:lo]) and all(b >= 0 or i in on_host for i, b in enumerate(t[lo:], lo)),
+                         f"{sid!r} group {g}: entries below {lo} must read -1, the rest be live or on the host")
                 _require(lo <= spec.released_below(c, bs), f"{sid!r} group {g}: released what the next query reads")
                 for b in t[lo:]:
+                    if b < 0:
+                        continue
                     refs[b] += 1
                     _require(owner.setdefault(b, g) == g, f"block {b} is in two groups' tables")
-                if done % bs and t:
+                if done % bs and t and t[-1] >= 0:
                     b = t[-1]
                     _require(partial_fill.setdefault(b, done % bs) == done % bs, f"partial block {b} at two fills")
-            if not s.shared and done % bs and not s.unscheduled:
+            if not s.shared and done % bs and not s.unscheduled and s.host is None:
                 _require(all(pool.refcount(t[-1]) == 1 for t in s.tables),
                          f"{sid!r}: a shared partial last block not marked shared")
             if s.nxt >= 0:
@@ -1079,6 +1281,14 @@ class GroupedKVCacheManager(KVCacheManager):
                     _require(spec.released_below(done + steps - 1, bs) == spec.released_below(done, bs),
                              f"{sid!r}: a release falls due before its fast path ends")
         _require(unready == self._unready, f"{unready} sequences unready, {self._unready} counted")
+        _require(swapped == self._swapped, f"{swapped} sequences swapped out, {self._swapped} counted")
+        if self._tier is not None:
+            self._tier.check_invariants(host_refs)
+            live = {id(s) for s in self._seqs.values()}
+            _require(all(id(s) in live and s.host is None for s in self._busy),
+                     "a sequence given work this step is freed or swapped out")
+        else:
+            _require(not swapped, "a sequence is swapped out without a host tier")
         for b, k in enumerate(pool.refcounts()):
             _require(refs.get(b, 0) == k, f"block {b}: refcount {k}, referenced {refs.get(b, 0)} times")
         for s in self._seqs.values():
@@ -1111,6 +1321,8 @@ class GroupedKVCacheManager(KVCacheManager):
             for g, t in enumerate(s.tables):
                 for i in range(s.low[g], len(t)):
                     b, k = t[i], keys.get(t[i])
+                    if b < 0:  # swapped out: its content is on the host
+                        continue
                     if i >= offered:
                         _require(k is None, f"block {b} of {sid!r} is published before it is scheduled")
                     elif k is None:

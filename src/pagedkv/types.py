@@ -122,7 +122,7 @@ class Transfer(_Tagged):
     KV writes: ``direction`` is ``"to_host"`` (``src`` a device block id, ``dst`` a host block
     id) or ``"to_device"`` (``src`` a host block, ``dst`` a device block). All layers' keys and
     values of the block move. ``group`` (contract v3) names the attention group whose layers
-    the block holds: always 0 for now (the host tier does not take groups yet); it is kept
+    the block holds (a grouped manager's swaps tag each block with its group); it is kept
     beside the triple, as ``CopyOp``'s, so a transfer is still ``(direction, src, dst)``.
 
     ``take_transfers`` lists every ``to_host`` entry before every ``to_device`` entry. Each
