@@ -290,3 +290,28 @@ def test_plain_model_unchanged(model):
     for x, y in zip(a, b):
         np.testing.assert_array_equal(np.stack(x.samples[0].logits), np.stack(y.samples[0].logits))
     assert DIMS.kv_groups == (FullAttention(),)
+
+
+def test_swap_preemption_on_a_hybrid_model_keeps_greedy_tokens(model):
+    """The grouped manager's swaps through the engine: under pressure requests are swapped out
+    (every live block of every group to the host, released window entries left -1) and back,
+    the store moving whole blocks (every layer) both ways, and every token is still the dense
+    run's."""
+    m = grouped(model, 24, host_blocks=64)
+    engine = Engine(model, m, token_budget=32, preemption="swap")
+    prompts = prompts_of([20, 28, 33, 40], seed=5)
+    res = engine.generate(prompts, 16)
+    assert engine.stats.swap_preemptions > 0 and engine.stats.swapped_out > 0
+    assert max(dense_error(model, p, r.samples[0]) for p, r in zip(prompts, res)) < ATOL
+    all_returned(m)
+
+
+def test_swap_without_running_the_transfers_diverges(model):
+    """Negative control: the same run with the transfers skipped (``run_transfers=False``) brings
+    back blocks whose K/V never arrived, and the logits leave the dense run's."""
+    m = grouped(model, 24, host_blocks=64)
+    engine = Engine(model, m, token_budget=32, preemption="swap", run_transfers=False)
+    prompts = prompts_of([20, 28, 33, 40], seed=5)
+    res = engine.generate(prompts, 16)
+    assert engine.stats.swap_preemptions > 0
+    assert max(dense_error(model, p, r.samples[0], greedy=False) for p, r in zip(prompts, res)) > 0.1

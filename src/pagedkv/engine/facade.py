@@ -53,7 +53,8 @@ class Engine:
     A hybrid model (``model.kv_groups``: sliding-window, chunked-local and full layers) needs a
     grouped manager with the same groups, ``KVCacheManager(..., groups=list(model.kv_groups))``
     (else ``ValueError``); both loops then hand the model one slot array and one table per
-    group. The grouped manager has no host tier yet, so ``preemption="swap"`` is out of reach.
+    group. With a host tier (``host_blocks=N``) the grouped manager swaps every group's live blocks,
+    so ``preemption="swap"`` works too (the store moves whole blocks, every layer).
     """
 
     def __init__(self, model: Any, manager: Any, store: Any = None, *, copy_on_write: bool = True,

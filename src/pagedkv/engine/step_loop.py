@@ -332,7 +332,10 @@ class StepLoop:
         if not seqs:
             return False
         m = self.manager
-        private = sum(1 for seq in seqs for b in m.block_table(seq) if m.refcount(b) == 1)
+        # every group's live entries (a window's released ones read -1); an upper bound, since
+        # swap_out first releases what a window no longer reads
+        private = sum(1 for seq in seqs for g in range(m.num_groups) for b in m.block_table(seq, group=g)
+                      if b >= 0 and m.refcount(b) == 1)
         u = m.usage()
         if private > u.host_blocks - u.host_used_blocks:
             return False
