@@ -23,7 +23,7 @@ that hits nothing (freed uncached after each sample), ``fork`` of a 2,048-token 
 one 512-token ``prefill`` chunk (the next chunk of an 8,192-token prompt admitted with
 ``prefill=0``), four speculative drafts plus ``accept(id, 2)``, and the admission and the first
 ``lookup`` of 1,000-token prompts whose 62 full blocks are cached (distinct prompts, so no lookup
-finds its hashes remembered), the rows ``pagedkv bench`` sets v2 targets for. Last, four
+finds its hashes remembered), the rows ``pagedkv bench`` sets v2 targets for. Last, twelve
 replays of a 300-request trace of the bench's shape on each tree, alternating: per admission and
 per decoded token (a decode step's time over its batch size).
 """
@@ -69,6 +69,7 @@ def workload(rounds: int, seed: int = 0) -> dict:
 
 FORK_TOKENS = 2048  # the fork and free rows: a 2,048-token sequence, 128 blocks (DESIGN's targets)
 FORK_ROWS = ("fork, 2,048 tokens", "free, 2,048 tokens")
+REPLAYS = 12  # whole replays a tree a pass: with 4 the rows swung by 10% between passes on a 2-core VM
 REPLAY_ROWS = ("replay: per admission", "replay: per decoded token")
 
 
@@ -245,7 +246,7 @@ def run(pkgs: dict, wl: dict, rounds: int, kw: dict) -> dict:
                 gc.collect()
                 gc.disable()
         prompts, decoded = replay_trace()
-        for i in range(4):  # whole replays, alternating trees
+        for i in range(REPLAYS):  # whole replays, alternating trees
             for name in names if i % 2 == 0 else names[::-1]:
                 replay(pkgs[name], prompts, decoded, kw, out[name], clock)
                 gc.enable()

@@ -805,7 +805,7 @@ class KVCacheManager:
         p = self._seq(parent_id)
         if _known(self._seqs, child_id):
             raise ValueError(f"sequence {child_id!r} already exists")
-        if p.unready:
+        if p.unscheduled or p.drafts or p.host is not None:  # p.unready, inline: a call less per fork
             raise ValueError(not_ready(parent_id, p, "fork"))
         self._pool.incref_all(p.table)
         p.nxt = -1  # the partial last block, if any, is shared now: the next write decides
@@ -840,7 +840,7 @@ class KVCacheManager:
         del self._seqs[seq_id]
         if self._busy:
             self._busy.discard(s)
-        if s.unready:
+        if s.unscheduled or s.drafts or s.host is not None:  # s.unready, inline: a call less per free
             self._unready -= 1
         table = s.table
         if s.host is not None:  # swapped out: its host blocks go, its shared device blocks stay
