@@ -13,6 +13,9 @@ CMD: error: --json FILE: cannot write (No space left on device); nothing was wri
 status 1 (:data:`WRITE_FAILED_EXIT`). Files are written whole or not at all
 (:func:`write_text_atomically`: a temporary file in the same directory, renamed over the target
 once complete), so a failed write never leaves a truncated JSON that reads as a finished run.
+
+What it may import: everything below it (``pagedkv``, ``sim``, ``report``, ``bench``, ``events``);
+only ``pagedkv.cli`` imports it.
 """
 from __future__ import annotations
 

@@ -2,6 +2,11 @@
 
 Each section module exposes ``section(opts: ReportOptions) -> Section`` and runs the real
 manager (or the simulator driving it); this package only orders, renders and writes them.
+``tables`` is the one shape every result takes (``Table``, ``Section``) and ``plots`` draws them.
+
+What it may import: ``pagedkv`` (the allocator and the decoder proof: ``engine``, ``model``,
+``store``), ``pagedkv.sim`` and ``pagedkv.events``; never ``commands`` or ``cli`` above it
+(options come in as :class:`~pagedkv.report.options.ReportOptions`).
 """
 from __future__ import annotations
 
