@@ -63,9 +63,9 @@ def hit_cost_tables(opts: ReportOptions) -> tuple[list[Table], dict, list[str]]:
                   f"memory (the first {n:,} Mooncake requests, 16-token blocks)",
                   cols,
                   plot={"name": f"hybrid_hit_cost_{model.lower().replace('-', '_').replace('.', '_')}",
-                        "x": "KV GiB", "y": cols[2:5], "kind": "line", "ymin": 0,
+                        "x": "budget", "y": cols[2:5], "kind": "bar", "ymin": 0, "annotate_values": True,
                         "ylabel": "% of prompt tokens served from cache",
-                        "xlabel": f"KV cache budget, GiB of {model} KV",
+                        "xlabel": f"KV cache budget: share of what a uniform cache needs to never evict ({model})",
                         "title": f"{model}: hybrid prefix-hit rule vs full attention, same bytes "
                                  f"(Mooncake, first {n:,} requests)"})
         rows = []
