@@ -94,3 +94,22 @@ def test_hit_cost_rows_are_measured_and_ordered(quick_section):
 def test_section_refuses_bad_options():
     with pytest.raises(ValueError):
         hybrid.section("quick")
+
+
+def test_findings_name_the_savings_the_gain_and_the_cliff():
+    """The report's opening reads the section's data: memory saved at the shortest and longest
+    context, the grouped serving run's gain, and the cliff where plain LRU order loses hits."""
+    from pagedkv.report.findings import findings
+    from pagedkv.report.tables import Section
+
+    data = {"memory": {"gpt-oss-20b": {"4096": {"saved": 0.484}, "131072": {"saved": 0.5}}},
+            "serving": {"runs": {"8": {"paged uniform": {"mean_running": 2.0}, "paged grouped": {"mean_running": 3.0}}}},
+            "hit_cost": {"rows": [{"model": "gpt-oss-20b", "fraction": 0.25, "with_prefix": 0.0652,
+                                   "on_release": 0.0594}]}}
+    sec = Section("hybrid", "Hybrid models", data=data)
+    texts = [f.text for f in findings([sec])]
+    assert texts[0].startswith("Keeping each gpt-oss-20b layer group's K/V only as far back as it attends "
+                               "saves 48.4% of a request's KV at 4,096 tokens and 50.0% at 131,072")
+    assert "grouped runs 1.50x to 1.50x the requests at once" in texts[0]
+    assert texts[1].startswith("The hybrid hit rule's reuse cliff: on gpt-oss-20b at 1/4")
+    assert "hits 0.58 points less" in texts[1]

@@ -193,14 +193,38 @@ def _fleet(sec: Section) -> list[str]:
     return [text + "."]
 
 
+def _hybrid(sec: Section) -> list[str]:
+    mem = sec.data["memory"]["gpt-oss-20b"]
+    short, long_ = min(mem, key=int), max(mem, key=int)
+    text = (f"Keeping each gpt-oss-20b layer group's K/V only as far back as it attends saves "
+            f"{_pct(mem[short]['saved'])} of a request's KV at {int(short):,} tokens and "
+            f"{_pct(mem[long_]['saved'])} at {int(long_):,}")
+    runs = sec.data.get("serving", {}).get("runs")
+    if runs:
+        gains = [by["paged grouped"]["mean_running"] / by["paged uniform"]["mean_running"] for by in runs.values()]
+        text += (f"; served on Mooncake at the same bytes, grouped runs {min(gains):.2f}x to "
+                 f"{max(gains):.2f}x the requests at once")
+    rows = sec.data.get("hit_cost", {}).get("rows")
+    out = [text + "."]
+    if rows:
+        worst = min(rows, key=lambda r: r["on_release"] - r["with_prefix"])
+        gap = 100 * (worst["on_release"] - worst["with_prefix"])
+        if gap < 0:
+            out.append(f"The hybrid hit rule's reuse cliff: on {worst['model']} at 1/{round(1 / worst['fraction'])} "
+                       f"of a never-evicting cache, plain LRU order of released window blocks hits {-gap:.2f} "
+                       f"points less than re-aging them with their prefix "
+                       f"({_pct(worst['on_release'], 2)} against {_pct(worst['with_prefix'], 2)}).")
+    return out
+
+
 _FINDERS: dict[str, Callable[[Section], list[str]]] = {
     "fig2": _fig2, "fork_cost": _fork, "cow_proof": _cow, "block_size": _block_size, "sharing": _sharing,
     "prefix_hits": _prefix, "livelock": _livelock, "swap_vs_recompute": _swap, "host_offload": _host,
-    "fleet": _fleet,
+    "fleet": _fleet, "hybrid": _hybrid,
 }
 # The order findings are listed in: the paper's question first.
 _ORDER = ("fig2", "block_size", "fork_cost", "cow_proof", "sharing", "prefix_hits", "swap_vs_recompute",
-          "livelock", "host_offload", "fleet")
+          "livelock", "host_offload", "fleet", "hybrid")
 
 
 def findings(sections: list[Section]) -> list[Finding]:
