@@ -419,6 +419,40 @@ class SwapMachine(base.GroupsMachine):
             self.e.step({})
             self.e.holds_next_reads(sid)
 
+    @precondition(lambda self: self.m is not None and self.m.prefix_caching)
+    @rule(n=st.integers(1, 12))
+    def pressure(self, n):
+        """Eviction pressure: a one-off prompt of ``n`` blocks is admitted, computed and freed,
+        evicting cached blocks (offloaded to the host under write-back), so that later prompts
+        of the shared prefixes hit the host."""
+        bs = self.m.block_size
+        sid = f"p{self.next_id}"
+        prompt = [1000 + self.next_id] + [44] * (n * bs - 1)
+        self.m.lookup(prompt)
+        hit, ok = self.attempt(lambda: self.m.add_sequence(sid, prompt))
+        self.next_id += 1
+        if ok:
+            self.e.step({sid: (hit, len(prompt))})
+            self.m.free(sid)
+            event("pressure")
+
+    @precondition(lambda self: self.m is not None and self.m.prefix_caching)
+    @rule(pre=st.integers(0, len(base.PREFIXES) - 1), n=st.integers(1, 12), chunk=st.none() | st.integers(0, 6))
+    def evict_and_rehit(self, pre, n, chunk):
+        """A prefix is computed and freed, pressure evicts it (to the host), and the same prompt
+        comes back: the admission's lookup may hit the host (``admit`` checks it all)."""
+        sid = f"r{self.next_id}"
+        prompt = base.PREFIXES[pre] + [40]
+        self.m.lookup(prompt)  # (as admit does: the hash memo's order is the same either way)
+        hit, ok = self.attempt(lambda: self.m.add_sequence(sid, prompt))
+        self.next_id += 1
+        if not ok:
+            return
+        self.e.step({sid: (hit, len(prompt))})
+        self.m.free(sid)
+        self.pressure(n)
+        self.admit(pre, len(base.PREFIXES[pre]), [40], chunk)
+
     @precondition(lambda self: self.m is not None and self.tokens)
     @rule(data=st.data(), cache=st.booleans())
     def free(self, data, cache):
