@@ -37,11 +37,17 @@ every live block of every group that no other sequence holds to a host block, wi
 ``Transfer("to_host", device, host, group=g)``; released entries stay -1, shared ones stay on
 the device. ``swap_in`` gives each moved entry a device block again (``Transfer("to_device",
 host, device, group=g)``), or revives the device block still cached under its ``(group, hash)``
-with no transfer. The host tier here holds swapped-out sequences only: no host prefix cache (no
-offload of evicted blocks, no host hits, no ``"CPU"`` events) whatever ``host_write_policy``
-says, so ``lookup(...).host`` is always 0. Why: a sliding group's chain has released holes, so
-the plain tier's rule that a host block is kept only while its parent hash is on a tier would
-drop most window blocks; the per-group rule is not built yet (docs/design.md 3.12.1).
+with no transfer.
+
+**Host prefix cache** (``host_write_policy="write-back"``, prefix caching on): an evicted
+published block is offloaded under its ``(group, hash)``; the hit rule runs across tiers (each
+group's needed block from the device or the host) and admission loads the host ones
+(``Transfer("to_device", host, block, group=g)``). Reachability per group (the plain rule, "a
+host block is kept while its parent is on a tier", would drop most window blocks, whose chains
+have released holes): a full group's host block needs its parent ``(g, previous hash)``, a
+sliding or chunked group's block ``(g, h)`` the first full group's ``(f, h)`` (see
+:meth:`_host_anchor`). ``"write-through"`` is refused with a host tier; ``"none"`` keeps the
+tier for swaps only. Example in docs/design.md 3.12.1.
 ``reserve=True`` is refused (reserving a whole prompt's blocks in a sliding group would hold
 what the window releases).
 
