@@ -662,3 +662,29 @@ def test_the_physical_check_catches_a_missing_host_load(monkeypatch):
     assert m.add_sequence("c", A13) == 12
     with pytest.raises(AssertionError, match="reads position"):
         e.step({"c": (12, 13)})
+
+
+@pytest.mark.parametrize("call", ["append_token", "append_tokens"])
+def test_a_window_release_before_the_drain_drops_the_loads_into_released_blocks(call):
+    """c hits a's 12 tokens on the host and its prompt runs 18 tokens on; appended to before
+    the drain (against the engine's order, but allowed), group 1's window lets go of blocks 0..4,
+    among them the two it was loading: those loads are dropped and the blocks unpublished (an
+    evicted block with a pending load would be offloaded before its K/V arrived)."""
+    m = make(num_blocks=20, host_blocks=32, groups=WB)
+    m.add_sequence("a", A13)
+    m.take_transfers()
+    m.free("a")
+    m.add_sequence("b", list(range(100, 140)))  # 20 blocks: evicts a's six cached ones
+    m.take_transfers()
+    m.free("b")
+    prompt = A13[:12] + list(range(50, 68))
+    assert m.add_sequence("c", prompt) == 12
+    loaded = tables(m, "c")[1][1:3]
+    getattr(m, call)("c", *([7] if call == "append_token" else [[7]]))
+    assert tables(m, "c")[1][:5] == [-1] * 5
+    out = m.take_transfers()
+    assert [t.group for t in out if t.direction == "to_device"] == [0, 0, 0]
+    assert not {t.dst for t in out if t.direction == "to_device"} & set(loaded)
+    hit = m.lookup(A13)  # group 1's blocks 1 and 2 are on the host only now (not on the device)
+    assert (hit.device, hit.host) == (4, 8)
+    m.check_invariants()

@@ -624,7 +624,8 @@ class GroupedKVCacheManager(KVCacheManager):
         hit = k * bs
         computed = n if prefill is None else hit + min(prefill, n - hit)
         per = -(-computed // bs) - k  # new blocks per group
-        acquire = [b for b in chain.from_iterable(hits) if b >= 0] if k else []
+        acquire = ((list(chain.from_iterable(hits)) if not loads else [b for b in chain.from_iterable(hits) if b >= 0])
+                   if k else [])
         what = f"admitting {seq_id!r}"
         if loads:
             # host hits: the host blocks are pinned before the device allocation (which may
@@ -819,7 +820,8 @@ class GroupedKVCacheManager(KVCacheManager):
                 nr = next_release(spec, c, bs, end_c)
             lo = low[g]
             if r > lo:
-                if r == lo + 1 and not self._cq.sources and not (cache is not None and cache.has_twins):
+                if (r == lo + 1 and not self._cq.sources and not (cache is not None and cache.has_twins)
+                        and (self._tier is None or not self._tier.has_pending())):
                     t = s.tables[g]  # one block leaves the window: the common case, inlined
                     b = t[lo]
                     t[lo] = -1
