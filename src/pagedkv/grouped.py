@@ -632,7 +632,15 @@ class GroupedKVCacheManager(KVCacheManager):
             # offload, and so evict on the host), then loaded into blocks no pending copy reads
             j = len(loads)
             tier = self._tier
-            self._cq.check_room(per * ng, j, what, acquire)
+            try:
+                self._cq.check_room(per * ng, j, what, acquire)
+            except OutOfBlocks as e:
+                # the j load destinations are the hit's fixed cost: needed and available count
+                # the chunk's blocks only, so that a caller sizing the chunk from ``available``
+                # (the engine: ``available // groups x block_size`` positions) gets one that fits
+                if per * ng == 0:
+                    raise
+                raise OutOfBlocks(e.needed - j, max(0, e.available - j), what) from None
             tier.pin([hb for _, _, hb in loads])
             dst, new = self._cq.allocate(per * ng, j, acquire)
             tier.load_hits([hb for _, _, hb in loads], dst, split.host)
