@@ -8,8 +8,11 @@ then copies, then the step's writes, then its reads), where no transfer may move
 nothing written in it and no query may read a slot that does not hold exactly that position's
 K/V. A hypothesis state machine adds swap_out / swap_in rules to the grouped state machine.
 
-The grouped host tier holds swapped-out sequences only (no host prefix cache): see
-``GroupedKVCacheManager``'s docstring.
+The host prefix cache (write-back): exact ids, transfers and events for an evict -> offload ->
+host hit -> load cycle on ``[FullAttention(), SlidingWindow(8)]``, the hit rule across tiers,
+the per-group reachability rule, and the same physical check over the cycle (with a negative
+control); the state machine draws write-back or none and adds eviction pressure and
+re-admissions that hit the host.
 """
 from __future__ import annotations
 
@@ -687,4 +690,23 @@ def test_a_window_release_before_the_drain_drops_the_loads_into_released_blocks(
     assert not {t.dst for t in out if t.direction == "to_device"} & set(loaded)
     hit = m.lookup(A13)  # group 1's blocks 1 and 2 are on the host only now (not on the device)
     assert (hit.device, hit.host) == (4, 8)
+    m.check_invariants()
+
+
+def test_a_host_hit_that_does_not_fit_changes_nothing_and_counts_the_chunk_only():
+    """c needs 5 loads and 2 fresh blocks; x holds 2 of the 8: OutOfBlocks, nothing changed
+    (the host blocks are not pinned either), and its numbers count the chunk's blocks only
+    (needed 2, available 1: 6 usable minus the 5 loads), which the engine sizes chunks from."""
+    m = make(num_blocks=8, host_blocks=16, groups=WB)
+    _evict_a_to_the_host(m)
+    m.add_sequence("x", [900])
+    m.take_transfers()
+    m.take_events()
+    before = pickle.dumps(m)
+    with pytest.raises(OutOfBlocks) as e:
+        m.add_sequence("c", A13)
+    assert (e.value.needed, e.value.available) == (2, 1)
+    assert pickle.dumps(m) == before
+    m.free("x")
+    assert m.add_sequence("c", A13) == 12
     m.check_invariants()
