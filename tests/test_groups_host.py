@@ -8,8 +8,11 @@ then copies, then the step's writes, then its reads), where no transfer may move
 nothing written in it and no query may read a slot that does not hold exactly that position's
 K/V. A hypothesis state machine adds swap_out / swap_in rules to the grouped state machine.
 
-The grouped host tier holds swapped-out sequences only (no host prefix cache): see
-``GroupedKVCacheManager``'s docstring.
+The host prefix cache (write-back): exact ids, transfers and events for an evict -> offload ->
+host hit -> load cycle on ``[FullAttention(), SlidingWindow(8)]``, the hit rule across tiers,
+the per-group reachability rule, and the same physical check over the cycle (with a negative
+control); the state machine draws write-back or none and adds eviction pressure and
+re-admissions that hit the host.
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from pagedkv import (ChunkedLocalAttention, FullAttention, KVCacheManager, OutOfBlocks, SlidingWindow,
+from pagedkv import (BlockRemoved, BlockStored, ChunkedLocalAttention, FullAttention, KVCacheManager, OutOfBlocks,
+                     SlidingWindow,
                      Transfer)
 
 import test_groups_stateful as base
@@ -254,7 +258,8 @@ def test_free_while_swapped_and_free_before_the_loads_ran():
     m.take_transfers()
     m.swap_in("b")
     m.free("b")  # before the drain: the loads are dropped, the blocks unpublished
-    assert m.take_transfers() == []
+    # (what swap_in's allocation evicted is offloaded: to_host only)
+    assert [t for t in m.take_transfers() if t.direction == "to_device"] == []
     assert m.lookup(list(range(9))) == 0
     m.check_invariants()
 
@@ -361,11 +366,11 @@ class SwapMachine(base.GroupsMachine):
     """The grouped state machine with a host tier and swap rules (drains at every step)."""
 
     @initialize(data=st.data(), bs=st.sampled_from([1, 2, 4]), nb=st.integers(6, 24), caching=st.booleans(),
-                hb=st.integers(1, 24))
-    def setup(self, data, bs, nb, caching, hb):
+                hb=st.integers(1, 24), policy=st.sampled_from(["write-back", "none"]))
+    def setup(self, data, bs, nb, caching, hb, policy):
         cfg = data.draw(st.sampled_from(self.configs))
         self.m = KVCacheManager(num_blocks=nb, block_size=bs, groups=cfg, enable_prefix_caching=caching,
-                                host_blocks=hb)
+                                host_blocks=hb, host_write_policy=policy)
         self.e = Engine(self.m)
         self.router = base.PrefixAwareRouter(block_size=bs, groups=cfg)
         self.router.bind(["replica"])
@@ -417,6 +422,40 @@ class SwapMachine(base.GroupsMachine):
             self.swapped.discard(sid)
             self.e.step({})
             self.e.holds_next_reads(sid)
+
+    @precondition(lambda self: self.m is not None and self.m.prefix_caching)
+    @rule(n=st.integers(1, 12))
+    def pressure(self, n):
+        """Eviction pressure: a one-off prompt of ``n`` blocks is admitted, computed and freed,
+        evicting cached blocks (offloaded to the host under write-back), so that later prompts
+        of the shared prefixes hit the host."""
+        bs = self.m.block_size
+        sid = f"p{self.next_id}"
+        prompt = [1000 + self.next_id] + [44] * (n * bs - 1)
+        self.m.lookup(prompt)
+        hit, ok = self.attempt(lambda: self.m.add_sequence(sid, prompt))
+        self.next_id += 1
+        if ok:
+            self.e.step({sid: (hit, len(prompt))})
+            self.m.free(sid)
+            event("pressure")
+
+    @precondition(lambda self: self.m is not None and self.m.prefix_caching)
+    @rule(pre=st.integers(0, len(base.PREFIXES) - 1), n=st.integers(1, 12), chunk=st.none() | st.integers(0, 6))
+    def evict_and_rehit(self, pre, n, chunk):
+        """A prefix is computed and freed, pressure evicts it (to the host), and the same prompt
+        comes back: the admission's lookup may hit the host (``admit`` checks it all)."""
+        sid = f"r{self.next_id}"
+        prompt = base.PREFIXES[pre] + [40]
+        self.m.lookup(prompt)  # (as admit does: the hash memo's order is the same either way)
+        hit, ok = self.attempt(lambda: self.m.add_sequence(sid, prompt))
+        self.next_id += 1
+        if not ok:
+            return
+        self.e.step({sid: (hit, len(prompt))})
+        self.m.free(sid)
+        self.pressure(n)
+        self.admit(pre, len(base.PREFIXES[pre]), [40], chunk)
 
     @precondition(lambda self: self.m is not None and self.tokens)
     @rule(data=st.data(), cache=st.booleans())
@@ -479,3 +518,195 @@ def test_the_physical_check_catches_an_untagged_transfer(monkeypatch):
                         lambda self: [Transfer(*t) for t in real(self)])
     with pytest.raises(AssertionError, match="group 1|nothing written"):
         test_physical_swap_round_trip_under_contention()
+
+
+# ---- the host prefix cache (write-back) ----------------------------------------------------------
+
+WB = [FullAttention(), SlidingWindow(8)]
+A13 = list(range(13))  # three full blocks and a partial one at block size 4
+B16 = list(range(100, 116))  # four full blocks, no prefix in common with A13
+
+
+def _evict_a_to_the_host(m, e=None):
+    """a (A13) computed and freed, then b (B16) takes the whole pool: a's six cached blocks are
+    evicted and offloaded; b is freed. Returns the drained transfers and events of b's admission."""
+    m.add_sequence("a", A13)
+    assert tables(m, "a") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    if e is not None:
+        e.step({"a": (0, 13)})
+    else:
+        m.take_transfers()
+    m.take_events()
+    m.free("a")
+    m.add_sequence("b", B16)
+    assert tables(m, "b") == [[7, 4, 2, 0], [6, 5, 3, 1]]  # clean 7, 6, then a's LRU 4, 5, 2, 3, 0, 1
+    events = m.take_events()
+    if e is not None:
+        e.step({"b": (0, 16)})
+        moved = None
+    else:
+        moved = m.take_transfers()
+    m.free("b")
+    return moved, events
+
+
+def test_write_back_offloads_evicted_blocks_under_group_and_hash_and_loads_host_hits():
+    m = make(num_blocks=8, host_blocks=16, groups=WB)
+    moved, events = _evict_a_to_the_host(m)
+    # parents first within each group's chain, the full group's before the sliding group's
+    assert moved == [Transfer("to_host", 0, 0), Transfer("to_host", 2, 1), Transfer("to_host", 4, 2),
+                     Transfer("to_host", 1, 3, group=1), Transfer("to_host", 3, 4, group=1),
+                     Transfer("to_host", 5, 5, group=1)]
+    assert [t.group for t in moved] == [0, 0, 0, 1, 1, 1]
+    removed = [ev for ev in events if isinstance(ev, BlockRemoved)]
+    assert [(ev.medium, ev.group_idx, len(ev.block_hashes)) for ev in removed] == [("GPU", 0, 1), ("GPU", 1, 1)] * 3
+    cpu = [ev for ev in events if isinstance(ev, BlockStored) and ev.medium == "CPU"]
+    assert [(ev.group_idx, ev.token_ids, ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window) for ev in cpu] == [
+        (0, tuple(range(12)), "full_attention", None), (1, tuple(range(12)), "sliding_window", 8)]
+    assert cpu[0].block_hashes == cpu[1].block_hashes  # one chain of hashes serves both groups
+    assert cpu[0].parent_block_hash == cpu[1].parent_block_hash  # the chain's root
+    gpu = [ev for ev in events if isinstance(ev, BlockStored) and ev.medium == "GPU"]
+    assert [(ev.group_idx, ev.token_ids) for ev in gpu] == [(0, tuple(B16)), (1, tuple(B16))]  # b's own
+    assert {h for ev in removed for h in ev.block_hashes} == set(cpu[0].block_hashes)
+    assert events.index(cpu[0]) < events.index(gpu[0])  # offloaded during b's allocation
+
+    hit = m.lookup(A13)
+    assert (int(hit), hit.device, hit.host, hit.revived) == (12, 0, 12, 0)
+    assert m.add_sequence("c", A13) == 12
+    # loads into b's evicted blocks 0..4 (the LRU order), then two fresh ones; group 1's window
+    # at position 12 reads 5..11: blocks 1 and 2 only
+    assert tables(m, "c") == [[0, 1, 2, 5], [-1, 3, 4, 7]]
+    out = m.take_transfers()
+    assert [t for t in out if t.direction == "to_device"] == [
+        Transfer("to_device", 0, 0), Transfer("to_device", 1, 1), Transfer("to_device", 2, 2),
+        Transfer("to_device", 4, 3, group=1), Transfer("to_device", 5, 4, group=1)]
+    assert [(t.src, t.dst, t.group) for t in out if t.direction == "to_host"] == [
+        (7, 6, 0), (4, 7, 0), (2, 8, 0), (0, 9, 0), (5, 10, 1), (3, 11, 1), (1, 12, 1)]
+    u = m.usage()
+    assert (u.host_hit_tokens, u.transfers_to_device, u.transfers_to_host, u.host_cached_blocks) == (12, 5, 13, 13)
+    assert m.lookup(A13).device == 12  # loaded blocks are findable on the device at once
+    m.check_invariants()
+
+
+def test_a_host_hit_needs_every_groups_blocks_and_write_through_is_refused():
+    # three host blocks: the full group's chain is kept, the sliding group's blocks are not,
+    # so the hit rule finds nothing (group 1 needs blocks 1 and 2 for a hit of 12, 0 and 1 for 8)
+    m = make(num_blocks=8, host_blocks=3, groups=WB)
+    moved, _ = _evict_a_to_the_host(m)
+    assert [(t.src, t.dst, t.group) for t in moved] == [(0, 0, 0), (2, 1, 0), (4, 2, 0)]
+    assert m.lookup(A13) == 0 and m.lookup(A13).host == 0
+    m.check_invariants()
+    with pytest.raises(ValueError, match="write-through"):
+        make(host_blocks=4, groups=WB, host_write_policy="write-through")
+    # "none": swaps only, nothing offloaded
+    m = make(num_blocks=8, host_blocks=16, groups=WB, host_write_policy="none")
+    moved, events = _evict_a_to_the_host(m)
+    assert moved == [] and not any(getattr(ev, "medium", None) == "CPU" for ev in events)
+    assert m.lookup(A13) == 0
+
+
+def test_a_sliding_groups_host_block_goes_with_the_full_groups_block_of_its_hash():
+    """Reachability per group: host (1, h) hangs on (0, h); when the host evicts (0, h) and no
+    tier holds it, (1, h) is dropped with it (under the plain parent rule it would stay: its
+    parent is the root)."""
+    from pagedkv.host_tier import HostTier
+    from pagedkv.pool import BlockPool
+    from pagedkv.prefix_cache import PrefixCache
+
+    def anchor(key, parent):
+        if key[0] == 0:
+            return None if parent[1] == "R" else parent
+        return (0, key[1])
+
+    for rule, kept in ((anchor, False), (None, True)):
+        device = PrefixCache(BlockPool(4), None, "GPU", keep_content=True)
+        # (the control, the plain rule, runs without a device: a tier alone trusts its parents)
+        tier = HostTier(2, 1, None, device=device if rule else None, anchor=rule)
+        tier.offload([0, 1], [(0, "a"), (1, "a")], [((0, "R"), [1]), ((1, "R"), [1])])
+        tier.pin([tier.block_of((1, "a"))])  # (1, a) becomes the host's most recently used
+        tier.take_transfers(None)
+        tier.offload([2], [(0, "c")], [((0, "R"), [2])])  # evicts (0, a), the oldest
+        assert tier.block_of((0, "a")) is None and tier.block_of((0, "c")) is not None
+        assert (tier.block_of((1, "a")) is not None) == kept
+        tier.take_transfers(None)
+        tier.check_invariants({})
+
+
+def test_physical_evict_offload_host_hit_load_cycle():
+    """The engine's order (transfers, copies, writes, reads) over the cycle above: c's first
+    step reads positions 0..12 (group 0) and 5..12 (group 1) from loaded blocks, each holding
+    its position's K/V; c decodes on past a window release."""
+    m = make(num_blocks=8, host_blocks=16, groups=WB)
+    e = Engine(m)
+    _evict_a_to_the_host(m, e)
+    assert m.add_sequence("c", A13) == 12
+    e.step({"c": (12, 13)})
+    e.holds_next_reads("c")
+    for t in range(5):
+        p = m.num_computed("c")
+        m.append_token("c", t)
+        e.step({"c": (p, p + 1)})
+    e.holds_next_reads("c")
+    m.check_invariants()
+    assert m.usage().host_hit_tokens == 12
+
+
+def test_the_physical_check_catches_a_missing_host_load(monkeypatch):
+    """Negative control: the host hits' to_device transfers dropped, c's first reads find b's
+    K/V (or nothing) in the blocks that should hold a's."""
+    from pagedkv.grouped import GroupedKVCacheManager
+
+    real = GroupedKVCacheManager.take_transfers
+    monkeypatch.setattr(GroupedKVCacheManager, "take_transfers",
+                        lambda self: [t for t in real(self) if t.direction == "to_host"])
+    m = make(num_blocks=8, host_blocks=16, groups=WB)
+    e = Engine(m)
+    _evict_a_to_the_host(m, e)
+    assert m.add_sequence("c", A13) == 12
+    with pytest.raises(AssertionError, match="reads position"):
+        e.step({"c": (12, 13)})
+
+
+@pytest.mark.parametrize("call", ["append_token", "append_tokens"])
+def test_a_window_release_before_the_drain_drops_the_loads_into_released_blocks(call):
+    """c hits a's 12 tokens on the host and its prompt runs 18 tokens on; appended to before
+    the drain (against the engine's order, but allowed), group 1's window lets go of blocks 0..4,
+    among them the two it was loading: those loads are dropped and the blocks unpublished (an
+    evicted block with a pending load would be offloaded before its K/V arrived)."""
+    m = make(num_blocks=20, host_blocks=32, groups=WB)
+    m.add_sequence("a", A13)
+    m.take_transfers()
+    m.free("a")
+    m.add_sequence("b", list(range(100, 140)))  # 20 blocks: evicts a's six cached ones
+    m.take_transfers()
+    m.free("b")
+    prompt = A13[:12] + list(range(50, 68))
+    assert m.add_sequence("c", prompt) == 12
+    loaded = tables(m, "c")[1][1:3]
+    getattr(m, call)("c", *([7] if call == "append_token" else [[7]]))
+    assert tables(m, "c")[1][:5] == [-1] * 5
+    out = m.take_transfers()
+    assert [t.group for t in out if t.direction == "to_device"] == [0, 0, 0]
+    assert not {t.dst for t in out if t.direction == "to_device"} & set(loaded)
+    hit = m.lookup(A13)  # group 1's blocks 1 and 2 are on the host only now (not on the device)
+    assert (hit.device, hit.host) == (4, 8)
+    m.check_invariants()
+
+
+def test_a_host_hit_that_does_not_fit_changes_nothing_and_counts_the_chunk_only():
+    """c needs 5 loads and 2 fresh blocks; x holds 2 of the 8: OutOfBlocks, nothing changed
+    (the host blocks are not pinned either), and its numbers count the chunk's blocks only
+    (needed 2, available 1: 6 usable minus the 5 loads), which the engine sizes chunks from."""
+    m = make(num_blocks=8, host_blocks=16, groups=WB)
+    _evict_a_to_the_host(m)
+    m.add_sequence("x", [900])
+    m.take_transfers()
+    m.take_events()
+    before = pickle.dumps(m)
+    with pytest.raises(OutOfBlocks) as e:
+        m.add_sequence("c", A13)
+    assert (e.value.needed, e.value.available) == (2, 1)
+    assert pickle.dumps(m) == before
+    m.free("x")
+    assert m.add_sequence("c", A13) == 12
+    m.check_invariants()

@@ -37,11 +37,17 @@ every live block of every group that no other sequence holds to a host block, wi
 ``Transfer("to_host", device, host, group=g)``; released entries stay -1, shared ones stay on
 the device. ``swap_in`` gives each moved entry a device block again (``Transfer("to_device",
 host, device, group=g)``), or revives the device block still cached under its ``(group, hash)``
-with no transfer. The host tier here holds swapped-out sequences only: no host prefix cache (no
-offload of evicted blocks, no host hits, no ``"CPU"`` events) whatever ``host_write_policy``
-says, so ``lookup(...).host`` is always 0. Why: a sliding group's chain has released holes, so
-the plain tier's rule that a host block is kept only while its parent hash is on a tier would
-drop most window blocks; the per-group rule is not built yet (docs/design.md 3.12.1).
+with no transfer.
+
+**Host prefix cache** (``host_write_policy="write-back"``, prefix caching on): an evicted
+published block is offloaded under its ``(group, hash)``; the hit rule runs across tiers (each
+group's needed block from the device or the host) and admission loads the host ones
+(``Transfer("to_device", host, block, group=g)``). Reachability per group (the plain rule, "a
+host block is kept while its parent is on a tier", would drop most window blocks, whose chains
+have released holes): a full group's host block needs its parent ``(g, previous hash)``, a
+sliding or chunked group's block ``(g, h)`` the first full group's ``(f, h)`` (see
+:meth:`_host_anchor`). ``"write-through"`` is refused with a host tier; ``"none"`` keeps the
+tier for swaps only. Example in docs/design.md 3.12.1.
 ``reserve=True`` is refused (reserving a whole prompt's blocks in a sliding group would hold
 what the window releases).
 
@@ -208,6 +214,9 @@ class GroupedKVCacheManager(KVCacheManager):
             raise ValueError(f"host_blocks must be at most {MAX_BLOCKS}, got {host_blocks}")
         if host_write_policy not in WRITE_POLICIES:
             raise ValueError(f"host_write_policy must be one of {WRITE_POLICIES}, got {host_write_policy!r}")
+        if host_blocks and host_write_policy == "write-through":
+            raise ValueError("host_write_policy='write-through' does not take groups yet: use 'write-back' "
+                             "(offload on eviction) or 'none' (swaps only)")
         self._specs = specs
         self._ng = len(specs)
         self._window_eviction = window_eviction
@@ -222,8 +231,12 @@ class GroupedKVCacheManager(KVCacheManager):
         self._root = self._hasher.root()
         self._pool = BlockPool(num_blocks, check_args=False)
         self._log = _GroupLog(enable_events and enable_prefix_caching, specs)
-        self._cache = (PrefixCache(self._pool, self._log, "GPU", track_twins=True)
+        # the host prefix cache: write-back offload of evicted blocks and host hits (keys
+        # (group, hash), like the device's); "none" (or no prefix caching) keeps swaps only
+        hosted = bool(host_blocks) and enable_prefix_caching and host_write_policy == "write-back"
+        self._cache = (PrefixCache(self._pool, self._log, "GPU", keep_content=hosted, track_twins=True)
                        if enable_prefix_caching else None)
+        self._full0 = next((g for g, sp in enumerate(specs) if type(sp) is FullAttention), None)
         self._bs = block_size
         self._seqs: dict[Hashable, _GSeq] = {}
         self._unready = 0
@@ -237,8 +250,14 @@ class GroupedKVCacheManager(KVCacheManager):
         # swap_out allocates here), and the sequences given positions or blocks since the last
         # take_transfers() (their K/V is written after that drain: swap_out refuses them).
         # None without a tier: the hot paths pay one test, append_token none.
-        self._tier = (HostTier(host_blocks, block_size, None, host_write_policy, caching=False)
-                      if host_blocks else None)
+        if hosted:
+            self._tier = HostTier(host_blocks, block_size, self._log, host_write_policy, True,
+                                  device=self._cache, root=None, anchor=self._host_anchor, tag=self._tag_host)
+            self._cache.forward_evictions(self._tier.offload)
+        else:
+            self._tier = (HostTier(host_blocks, block_size, None, host_write_policy, caching=False)
+                          if host_blocks else None)
+        self._hosted = hosted
         self._host_group = array("i", bytes(4 * host_blocks)) if host_blocks else None
         self._busy: set | None = set() if host_blocks else None
         self._swapped = 0
@@ -256,6 +275,25 @@ class GroupedKVCacheManager(KVCacheManager):
         self._digest = self._hasher.digest
         if self._busy is not None:
             self.append_token = self._append_token_marking
+
+    def _host_anchor(self, key: tuple, parent: tuple) -> tuple | None:
+        """Reachability of a host block under ``key = (g, h)`` (see docs/design.md 3.12.1): a
+        full group's block needs its parent ``(g, previous hash)`` on a tier (none for a first
+        block); a sliding or chunked group's block needs the first full group's block of the
+        same hash, ``(f, h)``: its own chain has released holes, and a hit past position i needs
+        ``(f, h_i)`` anyway. With no full group: none (LRU only). Example ([Full, Sliding(8)]):
+        host (1, h3) is dropped when (0, h3) leaves both tiers."""
+        g, _ = key
+        if type(self._specs[g]) is FullAttention:
+            return None if parent[1] == self._root else parent
+        f = self._full0
+        return None if f is None else (f, key[1])
+
+    def _tag_host(self, host_blocks: list, keys: list) -> None:
+        """The host tier stored these keys in these host blocks: tag each with its group."""
+        group = self._host_group
+        for hb, k in zip(host_blocks, keys):
+            group[hb] = k[0]
 
     def _append_token_marking(self, seq_id: Hashable, token_id: int) -> int:
         """``append_token`` with a host tier: the sequence was given a position this step, so
@@ -389,6 +427,63 @@ class GroupedKVCacheManager(KVCacheManager):
             out.append([seen[i] if i in seen else get((g, hashes[i])) for i in r])
         return k, out
 
+    def _hits_tiered(self, hashes: list, limit: int) -> tuple[int, list]:
+        """:meth:`_hits` across both tiers (a grouped manager with a host prefix cache): each
+        group's needed block may be on the device (preferred) or the host. Returns the hit in
+        blocks and per group ``(block, on_host)`` pairs for the blocks the hit takes. Example
+        ([Full, Sliding(8)], block size 4, a 13-token prompt whose 3 full blocks were evicted
+        to the host): k = 3, group 0 [(h0, True), (h1, True), (h2, True)], group 1 the last two."""
+        dget, hget, bs = self._cache.get, self._tier.block_of, self._bs
+        memo: list[dict] = [{} for _ in self._specs]
+
+        def get(g: int, i: int):
+            seen = memo[g]
+            if i in seen:
+                return seen[i]
+            key = (g, hashes[i])
+            b = dget(key)
+            if b is not None:
+                r = (b, False)
+            else:
+                hb = hget(key)
+                r = None if hb is None else (hb, True)
+            seen[i] = r
+            return r
+
+        k = limit
+        for g, spec in enumerate(self._specs):
+            if type(spec) is FullAttention:
+                i = 0
+                while i < k and get(g, i) is not None:
+                    i += 1
+                k = i
+        ok = False
+        while not ok:
+            ok = True
+            for g, spec in self._local:
+                for i in reversed(spec.hit_blocks(k * bs, bs)):
+                    if get(g, i) is None:
+                        k, ok = i, False
+                        break
+                if not ok:
+                    break
+        return k, [[get(g, i) for i in spec.hit_blocks(k * bs, bs)] for g, spec in enumerate(self._specs)]
+
+    def _hit_split(self, k: int, hits: list) -> PrefixHit:
+        """The hit of ``k`` blocks as device and host tokens: a position's block counts as host
+        when some group loads it. Example (block size 4, k = 3, group 0 loads blocks 1 and 2,
+        group 1 loads block 2): PrefixHit(4 device, 8 host)."""
+        bs = self._bs
+        loaded = set()
+        device = []
+        for g, spec in enumerate(self._specs):
+            for i, (b, on_host) in zip(spec.hit_blocks(k * bs, bs), hits[g]):
+                if on_host:
+                    loaded.add(i)
+                else:
+                    device.append(b)
+        return PrefixHit((k - len(loaded)) * bs, len(loaded) * bs, self._pool.count_cached(device))
+
     def lookup(self, prompt_ids: Sequence[int], cache_salt: Any = None, *, lora_name: str | None = None,
                mm_features: Sequence[tuple] | None = None) -> PrefixHit:
         """How many prompt tokens ``add_sequence`` would serve now under the hit rule (the
@@ -405,6 +500,9 @@ class GroupedKVCacheManager(KVCacheManager):
             return PrefixHit(0)
         bs = self._bs
         hashes = self._prompt_hashes(keys, _le_bytes(tokens), n // bs, remember=True)
+        if self._hosted:
+            k, hits = self._hits_tiered(hashes, (n - 1) // bs)
+            return self._hit_split(k, hits)
         k, hits = self._hits(hashes, (n - 1) // bs)
         return PrefixHit(k * bs, 0, self._pool.count_cached(list(chain.from_iterable(hits))))
 
@@ -443,7 +541,20 @@ class GroupedKVCacheManager(KVCacheManager):
             table[a:b] = [-1] * (b - a)
             s.low[g] = b
             self._let_go(blocks, rc)
+            tier = self._tier
+            if tier is not None and tier.has_pending():  # a load into a block released before
+                unloaded = tier.drop_released_loads(blocks, rc)  # the step ran serves nothing
+                if unloaded and self._cache is not None:
+                    self._unpublish(unloaded)
             pool.release_all(blocks[::-1])
+
+    def _unpublish(self, blocks: list) -> None:
+        """Forget device blocks' keys (their K/V will never be written); with a host prefix
+        cache, host blocks anchored on a key now on neither tier go with it."""
+        gone = [k for k in map(self._pool.key, blocks) if k is not None] if self._hosted else ()
+        self._cache.unpublish(blocks)
+        if gone:
+            self._tier.drop_orphans(gone)
 
     def _let_go(self, blocks: list, rc) -> None:
         """Blocks whose last reference is about to go: a pending copy into one has nothing to
@@ -455,7 +566,7 @@ class GroupedKVCacheManager(KVCacheManager):
             if into:
                 cq.drop_into(into)
                 if self._cache is not None:
-                    self._cache.unpublish(into)
+                    self._unpublish(into)
         cache = self._cache
         if cache is not None and cache.has_twins:
             cache.forget_twins([b for b in cache.twins_among(blocks) if rc(b) == 1])
@@ -493,15 +604,49 @@ class GroupedKVCacheManager(KVCacheManager):
         hashes: list = []
         k = 0
         hits: list = [[] for _ in range(ng)]
+        loads: list = []  # (group, index, host block)
         if cache is not None:
             hashes = self._prompt_hashes(keys, _le_bytes(tokens), n // bs, remember=False)
-            k, hits = self._hits(hashes, (n - 1) // bs)
+            if self._hosted:
+                k, pairs = self._hits_tiered(hashes, (n - 1) // bs)
+                split = self._hit_split(k, pairs)
+                hits = []
+                for g, spec in enumerate(self._specs):
+                    row = []
+                    for i, (b, on_host) in zip(spec.hit_blocks(k * bs, bs), pairs[g]):
+                        if on_host:
+                            loads.append((g, i, b))
+                            b = -1  # filled below with the load's device block
+                        row.append(b)
+                    hits.append(row)
+            else:
+                k, hits = self._hits(hashes, (n - 1) // bs)
         hit = k * bs
         computed = n if prefill is None else hit + min(prefill, n - hit)
         per = -(-computed // bs) - k  # new blocks per group
-        acquire = list(chain.from_iterable(hits)) if k else []
+        acquire = ((list(chain.from_iterable(hits)) if not loads else [b for b in chain.from_iterable(hits) if b >= 0])
+                   if k else [])
         what = f"admitting {seq_id!r}"
-        if self._cq.sources:
+        if loads:
+            # host hits: the host blocks are pinned before the device allocation (which may
+            # offload, and so evict on the host), then loaded into blocks no pending copy reads
+            j = len(loads)
+            tier = self._tier
+            try:
+                self._cq.check_room(per * ng, j, what, acquire)
+            except OutOfBlocks as e:
+                # the j load destinations are the hit's fixed cost: needed and available count
+                # the chunk's blocks only, so that a caller sizing the chunk from ``available``
+                # (the engine: ``available // groups x block_size`` positions) gets one that fits
+                if per * ng == 0:
+                    raise
+                raise OutOfBlocks(e.needed - j, max(0, e.available - j), what) from None
+            tier.pin([hb for _, _, hb in loads])
+            dst, new = self._cq.allocate(per * ng, j, acquire)
+            tier.load_hits([hb for _, _, hb in loads], dst, split.host)
+            for (g, i, _), d in zip(loads, dst):
+                hits[g][i - (k - len(hits[g]))] = d
+        elif self._cq.sources:
             self._cq.check_room(per * ng, 0, what, acquire)
             new = self._cq.allocate(per * ng, 0, acquire)[1]
         else:
@@ -515,6 +660,11 @@ class GroupedKVCacheManager(KVCacheManager):
             tables.append([-1] * below + hits[g] + new[g::ng])
             low.append(below)
         s = _GSeq(tables, low, tokens, hashes, keys, unscheduled=n - computed, written=k)
+        if loads:  # loaded blocks are findable on the device (their K/V arrives before the step's reads)
+            for (g, i, _), d in zip(loads, dst):
+                cache.publish([d], [(g, hashes[i])], (g, hashes[i - 1] if i else self._root),
+                              tokens[i * bs : (i + 1) * bs], bs,
+                              None if keys is None else keys.block_keys(i, i + 1))
         if cache is not None:
             self._publish_run(s, k, computed // bs)
             cache.record_query(n, hit)
@@ -522,7 +672,7 @@ class GroupedKVCacheManager(KVCacheManager):
             self._unready += 1
         else:
             self._arm(s)
-        if self._busy is not None and computed > hit:  # new positions: nothing computed yet
+        if self._busy is not None and (computed > hit or loads):  # new positions or loads: nothing written yet
             self._busy.add(s)
         self._seqs[seq_id] = s
         return hit
@@ -678,7 +828,8 @@ class GroupedKVCacheManager(KVCacheManager):
                 nr = next_release(spec, c, bs, end_c)
             lo = low[g]
             if r > lo:
-                if r == lo + 1 and not self._cq.sources and not (cache is not None and cache.has_twins):
+                if (r == lo + 1 and not self._cq.sources and not (cache is not None and cache.has_twins)
+                        and (self._tier is None or not self._tier.has_pending())):
                     t = s.tables[g]  # one block leaves the window: the common case, inlined
                     b = t[lo]
                     t[lo] = -1
@@ -1062,7 +1213,7 @@ class GroupedKVCacheManager(KVCacheManager):
                 gone = set(unloaded)
                 mine = mine + [b for t in tables for b in t[s.written:] if b >= 0 and rc(b) == 1 and b not in gone]
             if mine:
-                self._cache.unpublish(mine)
+                self._unpublish(mine)
         self._pool.release_all(order)
 
     def _with_released(self, s: _GSeq, rc) -> list:
@@ -1096,6 +1247,8 @@ class GroupedKVCacheManager(KVCacheManager):
             return False
         if self._cache is not None:
             self._cache.clear()
+            if self._hosted:
+                self._tier.reset()
             if self._log.enabled:
                 self._log.cleared()
         return True
@@ -1283,7 +1436,12 @@ class GroupedKVCacheManager(KVCacheManager):
         _require(unready == self._unready, f"{unready} sequences unready, {self._unready} counted")
         _require(swapped == self._swapped, f"{swapped} sequences swapped out, {self._swapped} counted")
         if self._tier is not None:
-            self._tier.check_invariants(host_refs)
+            rehash = self._hasher.rehash
+            self._tier.check_invariants(host_refs, (lambda parent, *rest: (parent[0], rehash(parent[1], *rest)))
+                                        if self._hosted else None)
+            for hb, key in self._tier.cached_keys().items():
+                _require(type(key) is tuple and len(key) == 2 and 0 <= key[0] < self._ng
+                         and self._host_group[hb] == key[0], f"host block {hb}: key {key!r} or its group tag is wrong")
             live = {id(s) for s in self._seqs.values()}
             _require(all(id(s) in live and s.host is None for s in self._busy),
                      "a sequence given work this step is freed or swapped out")

@@ -46,7 +46,9 @@ class HostTier:
 
     def __init__(self, num_blocks: int, block_size: int, log: EventLog | None,
                  write_policy: str = "write-back", caching: bool = True,
-                 device: PrefixCache | None = None, root: Hashable = None) -> None:
+                 device: PrefixCache | None = None, root: Hashable = None,
+                 anchor: Callable[[Hashable, Hashable], Hashable] | None = None,
+                 tag: Callable[[list, list], None] | None = None) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"host_write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
         self._pool = BlockPool(num_blocks, check_args=False)
@@ -58,6 +60,13 @@ class HostTier:
         # a prompt's first block (their parent is the root).
         self._device = device if caching else None
         self._root = root
+        # Optional, for a grouped manager (cache keys ``(group, hash)``): ``anchor(key, parent)``
+        # names the key whose presence on a tier keeps a host block reachable (None: none needed,
+        # as for a first block); without it a block's anchor is its parent. ``tag(host_blocks,
+        # keys)`` is told which key each freshly stored host block holds (the manager tags its
+        # transfers with the key's group).
+        self._anchor = anchor
+        self._tag = tag
         self._kids: dict[Hashable, set[int]] = {}
         self._first: set[int] = set()
         self._gone: list = []  # hashes the host evicted in the allocation under way
@@ -111,22 +120,29 @@ class HostTier:
 
     # ---- reachability ------------------------------------------------------------------------
 
+    def _anchor_of(self, key: Hashable, parent: Hashable) -> Hashable:
+        """The key a host block under ``key`` chained from ``parent`` needs on a tier: its
+        parent, unless an ``anchor`` function was given (a grouped manager's rule: a sliding
+        group's block hangs on the first full group's block of the same hash)."""
+        return parent if self._anchor is None else self._anchor(key, parent)
+
     def _known(self, parent: Hashable) -> bool:
-        """Whether a block chained from ``parent`` would be reachable: the parent is on the host
-        or the device, or is the chain's root. (A tier used alone knows no device: it trusts.)"""
+        """Whether a block anchored at ``parent`` would be reachable: the anchor is on the host
+        or the device, or is the chain's root (or None). (A tier used alone knows no device: it
+        trusts.)"""
         if self._device is None:
             return True
-        return (parent == self._root or self._cache.get(parent) is not None
+        return (parent is None or parent == self._root or self._cache.get(parent) is not None
                 or self._device.get(parent) is not None)
 
     def _linked(self, host_block: int, parent: Hashable) -> None:
-        """Index a block the host just published under its parent hash."""
+        """Index a block the host just published under its anchor (by default its parent)."""
         kids = self._kids.get(parent)
         if kids is None:
             self._kids[parent] = {host_block}
         else:
             kids.add(host_block)
-        if parent == self._root:
+        if parent is None or parent == self._root:
             self._first.add(host_block)
 
     def _unlinked(self, host_block: int, parent: Hashable) -> None:
@@ -140,8 +156,8 @@ class HostTier:
     def _host_evicted(self, blocks: list, keys: list, contents: list) -> None:
         """The host pool evicted cached blocks to make room and the host cache has forgotten
         them: their hashes are checked for orphaned children once the allocation is complete."""
-        for b, c in zip(blocks, contents):
-            self._unlinked(b, c[0])
+        for b, k, c in zip(blocks, keys, contents):
+            self._unlinked(b, self._anchor_of(k, c[0]))
         self._gone += keys
 
     def drop_orphans(self, hashes: Sequence[Hashable]) -> None:
@@ -168,6 +184,14 @@ class HostTier:
 
     # ---- prefix hits -------------------------------------------------------------------------
 
+    def block_of(self, key: Hashable) -> int | None:
+        """The host block cached under ``key`` (None if the host does not hold it)."""
+        return self._cache.get(key) if self._cache is not None else None
+
+    def cached_keys(self) -> dict:
+        """Every host block that carries a key -> that key (a copy)."""
+        return dict(self._pool.keyed_blocks()) if self._cache is not None else {}
+
     def longest_prefix(self, hashes: Sequence[Hashable], limit: int) -> list[int]:
         """Host blocks holding the first ``k <= limit`` of ``hashes``, for the largest ``k``."""
         if self._cache is None or limit <= 0:
@@ -181,12 +205,13 @@ class HostTier:
             self._pool.acquire(host_blocks)
             self._pinned += host_blocks
 
-    def load_hits(self, host_blocks: Sequence[int], device_blocks: Sequence[int]) -> None:
+    def load_hits(self, host_blocks: Sequence[int], device_blocks: Sequence[int], tokens: int | None = None) -> None:
         """An admission's prefix hits on the host (pinned first): ``to_device`` transfers into
-        ``device_blocks``, counted as host hit tokens (a block's worth each). Example (block
-        size 16): two host hits -> two transfers, ``hit_tokens`` up by 32."""
+        ``device_blocks``, counted as host hit tokens (a block's worth each, unless ``tokens``
+        says otherwise: a grouped manager loads a position's block once per group). Example
+        (block size 16): two host hits -> two transfers, ``hit_tokens`` up by 32."""
         self.queue_loads(host_blocks, device_blocks)
-        self.hit_tokens += len(host_blocks) * self._bs
+        self.hit_tokens += len(host_blocks) * self._bs if tokens is None else tokens
 
     def queue_loads(self, host_blocks: Sequence[int], device_blocks: Sequence[int]) -> None:
         """``to_device`` transfers of pinned host blocks into fresh device blocks."""
@@ -272,10 +297,13 @@ class HostTier:
         """
         pool, cache = self._pool, self._cache
         ordered = _parents_first(items)
+        anchor = self._anchor_of
+        if self._anchor is not None and ordered:  # blocks anchored off their own chain after
+            ordered.sort(key=lambda it: anchor(it[1], it[2][0]) not in (None, it[2][0]))  # the rest
         if self._device is not None and ordered:
             ok, seen = [], set()
             for it in ordered:
-                parent = it[2][0]
+                parent = anchor(it[1], it[2][0])
                 if parent in seen or self._known(parent):
                     ok.append(it)
                     seen.add(it[1])
@@ -283,15 +311,17 @@ class HostTier:
         hold = list(keep) if keep else []
         if self._device is not None and (ordered or hold):
             held = set(hold)
-            starts = [it[2][0] for it in ordered] + [cache.content_of(hb)[0] for hb in hold]
+            key_of = self._pool.key
+            starts = ([anchor(it[1], it[2][0]) for it in ordered]
+                      + [anchor(key_of(hb), cache.content_of(hb)[0]) for hb in hold])
             for p in starts:  # host ancestors, up to the first one the device holds
-                while self._device.get(p) is None:
+                while p is not None and self._device.get(p) is None:
                     hb = cache.get(p)
                     if hb is None or hb in held:
                         break
                     held.add(hb)
                     hold.append(hb)
-                    p = cache.content_of(hb)[0]
+                    p = anchor(p, cache.content_of(hb)[0])
         room = pool.num_free - (sum(map(pool.is_cached, hold)) if hold else 0)
         n = min(len(ordered), room)
         if n > 0:
@@ -304,8 +334,10 @@ class HostTier:
         gone, self._gone = self._gone, []
         if n > 0:
             cache.publish_chained([(hb, h, *c) for hb, (_, h, c) in zip(host, items)], self._bs)
-            for hb, (_, _, c) in zip(host, items):
-                self._linked(hb, c[0])
+            for hb, (_, h, c) in zip(host, items):
+                self._linked(hb, anchor(h, c[0]))
+            if self._tag is not None:
+                self._tag(host, [h for _, h, _ in items])
             # the drain releases pins in list order, the first as the oldest: children before
             # their parents, so that the host evicts a chain's tail before its prefix
             self._pinned += host[::-1]
@@ -374,9 +406,9 @@ class HostTier:
             self._to_host.append(Transfer(TO_HOST, d, hb))
             self._store_src.add(d)
             # published only where reachable (a twin's child may chain from an evicted hash)
-            if h is not None and cache is not None and cache.get(h) is None and self._known(c[0]):
+            if h is not None and cache is not None and cache.get(h) is None and self._known(self._anchor_of(h, c[0])):
                 cache.publish([hb], [h], c[0], c[1], self._bs, c[2:] or None)
-                self._linked(hb, c[0])
+                self._linked(hb, self._anchor_of(h, c[0]))
         self.to_host_count += n
         gone, self._gone = self._gone, []
         if gone:
@@ -481,9 +513,11 @@ class HostTier:
             return
         kids: dict = {}
         mapped = self._pool.keyed_blocks()  # host block -> its hash (one bijection with the map)
-        for hb in mapped:
-            parent = cache.content_of(hb)[0]
+        for hb, key in mapped.items():
+            parent = self._anchor_of(key, cache.content_of(hb)[0])
             kids.setdefault(parent, set()).add(hb)
+            if (parent is None or parent == self._root) != (hb in self._first):
+                raise AssertionError(f"host block {hb}: its first-block mark differs from its anchor")
             if self._device is not None and not (
                     hb in self._first or cache.get(parent) is not None or self._device.get(parent) is not None):
                 raise AssertionError(f"host block {hb} is unreachable: its parent is on neither tier "
