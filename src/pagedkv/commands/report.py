@@ -1,7 +1,7 @@
 """``pagedkv report``: the main job. Measures fork cost, copy-on-write, and memory waste.
 
 With no arguments it runs every section on the built-in workloads and the public traces shipped
-with pagedkv, and prints plain-text tables (about 135 s on two cores, measured); ``--out DIR`` also
+with pagedkv, and prints plain-text tables (about 170 s on two cores, measured); ``--out DIR`` also
 writes report.md, report.json and PNG plots. Progress goes to stderr, the report to stdout.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"run only these sections, in this order; any of: {', '.join(SECTIONS)}")
     p.add_argument("--seed", type=int, default=0, help="seed of every workload (default 0)")
     p.add_argument("--quick", action="store_true",
-                   help="small workloads: about 20 s on two cores instead of about 135 s; a smoke "
+                   help="small workloads: about 30 s on two cores instead of about 170 s; a smoke "
                         "run whose numbers are noisier")
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
                    help="also write report.md, report.json and PNG plots (with matplotlib) here")
