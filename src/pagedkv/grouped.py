@@ -72,9 +72,11 @@ from .pool import MAX_BLOCKS, BlockPool
 from .copy_queue import CopyQueue
 from .sequences import as_token as _as_token
 from .sequences import known as _known
+from .sequences import not_ready as _not_ready
 from .sequences import le_bytes as _le_bytes
 from .sequences import batch_arguments as _batch_arguments
 from .sequences import batch_seqs as _batch_seqs
+from .sequences import chain_filled as _chain_filled
 from .sequences import token_array as _token_array
 from .host_tier import WRITE_POLICIES, HostTier
 from .pending_events import EventLog
@@ -356,7 +358,7 @@ class GroupedKVCacheManager(KVCacheManager):
         s = self._seq(seq_id)
         g = self._group(group)
         if s.host is not None:
-            raise ValueError(self._not_ready(seq_id, s, "read the slots of"))
+            raise ValueError(_not_ready(seq_id, s, "read the slots of"))
         n = s.computed
         start = as_int(start, "start")
         stop = n if stop is None else as_int(stop, "stop")
@@ -767,7 +769,7 @@ class GroupedKVCacheManager(KVCacheManager):
         slot = s.nxt
         if slot < 0:
             if s.unscheduled or s.drafts or s.host is not None:
-                raise ValueError(self._not_ready(seq_id, s, "append to"))
+                raise ValueError(_not_ready(seq_id, s, "append to"))
             due = self._due(s)
             fresh, copies = self._needs((s,))
             if fresh or copies:
@@ -877,7 +879,7 @@ class GroupedKVCacheManager(KVCacheManager):
         toks = _token_array(token_ids)
         k = len(toks)
         if s.unscheduled or (s.drafts and not speculative) or s.host is not None:
-            raise ValueError(self._not_ready(seq_id, s, "append to"))
+            raise ValueError(_not_ready(seq_id, s, "append to"))
         if not k:
             return []
         bs, ng = self._bs, self._ng
@@ -970,7 +972,7 @@ class GroupedKVCacheManager(KVCacheManager):
         if self._unready:
             for sid, s in zip(seq_ids, ss):
                 if s.unscheduled or s.drafts or s.host is not None:
-                    raise ValueError(self._not_ready(sid, s, "append to"))
+                    raise ValueError(_not_ready(sid, s, "append to"))
         if self._pool.num_free < self._ng * n or self._cq.sources:  # only then can the batch fail
             slow = [s for s in ss if s.nxt < 0]
             dues = [(s, d) for s in slow for d in (self._due(s),) if d]
@@ -1002,41 +1004,17 @@ class GroupedKVCacheManager(KVCacheManager):
             self._publish_filled(filled)
         return np.fromiter(out, dtype=np.int64, count=n)
 
-    def _not_ready(self, seq_id: Hashable, s: _GSeq, what: str) -> str:
-        if s.host is not None:
-            return f"cannot {what} {seq_id!r}: it is swapped out (call swap_in first)"
-        if s.unscheduled:
-            return (f"cannot {what} {seq_id!r}: {s.unscheduled} prompt positions are not "
-                    f"scheduled yet (call prefill first)")
-        return f"cannot {what} {seq_id!r}: {s.drafts} drafts are pending (call accept first)"
-
     def _publish_filled(self, filled: Sequence[_GSeq]) -> None:
         """Each sequence's last block just filled: hash it once, publish it in every group."""
-        bs, digest, root, ng = self._bs, self._digest, self._root, self._ng
-        blocks, hashes, parents, tokens = [], [], [], []
-        block_keys = None
-        for s in filled:
-            block_tokens = s.tokens[-bs:]
-            chain_ = s.hashes
-            parent = chain_[-1] if chain_ else root
-            key = None
-            if s.keys is None:
-                h = digest(parent, _le_bytes(block_tokens))
-            else:
-                key = s.keys.block_key(len(chain_))
-                if block_keys is None:
-                    block_keys = [None] * len(blocks)
-                data = _le_bytes(block_tokens)
-                h = digest(parent, data + key.suffix if key is not None else data)
-            chain_.append(h)
-            for g, t in enumerate(s.tables):
-                blocks.append(t[-1])
-                hashes.append((g, h))
-                parents.append((g, parent))
-                tokens.append(block_tokens)
-            if block_keys is not None:
-                block_keys += [key] * ng
-        self._cache.publish_blocks(blocks, hashes, parents, tokens, bs, block_keys)
+        groups = range(self._ng)
+        hashes, parents, tokens, keys = _chain_filled(filled, self._bs, self._digest, self._root)
+        self._cache.publish_blocks(
+            [t[-1] for s in filled for t in s.tables],
+            [(g, h) for h in hashes for g in groups],
+            [(g, p) for p in parents for g in groups],
+            [tk for tk in tokens for _ in groups],
+            self._bs,
+            None if keys is None else [k for k in keys for _ in groups])
 
     # ---- copies, transfers, swaps ------------------------------------------------------------
 
@@ -1078,7 +1056,7 @@ class GroupedKVCacheManager(KVCacheManager):
         if s.host is not None:
             raise ValueError(f"sequence {seq_id!r} is already swapped out")
         if s.unscheduled or s.drafts:
-            raise ValueError(self._not_ready(seq_id, s, "swap out"))
+            raise ValueError(_not_ready(seq_id, s, "swap out"))
         live = [b for g, t in enumerate(s.tables) for b in t[s.low[g]:]]
         if s in self._busy or tier.pending_on(live) or any(map(self._cq.is_destination, live)):
             raise ValueError(f"cannot swap out {seq_id!r}: it was given positions or blocks in this step "
@@ -1169,7 +1147,7 @@ class GroupedKVCacheManager(KVCacheManager):
         if _known(self._seqs, child_id):
             raise ValueError(f"sequence {child_id!r} already exists")
         if p.unscheduled or p.drafts or p.host is not None:
-            raise ValueError(self._not_ready(parent_id, p, "fork"))
+            raise ValueError(_not_ready(parent_id, p, "fork"))
         pool = self._pool
         for g, t in enumerate(p.tables):
             pool.incref_all(t[p.low[g]:])
@@ -1265,7 +1243,7 @@ class GroupedKVCacheManager(KVCacheManager):
         if self._swapped:
             for sid, s in zip(seq_ids, out):
                 if s.host is not None:
-                    raise ValueError(self._not_ready(sid, s, "export the block table of"))
+                    raise ValueError(_not_ready(sid, s, "export the block table of"))
         return out
 
     def block_tables(self, seq_ids: Sequence[Hashable], pad: int = -1, group: int = 0) -> np.ndarray:
