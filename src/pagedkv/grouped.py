@@ -76,7 +76,7 @@ from .sequences import not_ready as _not_ready
 from .sequences import le_bytes as _le_bytes
 from .sequences import batch_arguments as _batch_arguments
 from .sequences import batch_seqs as _batch_seqs
-from .sequences import chain_filled as _chain_filled
+from .sequences import filled_columns as _filled_columns
 from .sequences import token_array as _token_array
 from .host_tier import WRITE_POLICIES, HostTier
 from .pending_events import EventLog
@@ -178,6 +178,11 @@ class _GSeq:
     @property
     def computed(self) -> int:
         return len(self.tokens) - self.unscheduled
+
+    @property
+    def table(self) -> list:
+        """Group 0's table: what :func:`~pagedkv.sequences.filled_columns` reads of a sequence."""
+        return self.tables[0]
 
 
 class GroupedKVCacheManager(KVCacheManager):
@@ -1007,7 +1012,7 @@ class GroupedKVCacheManager(KVCacheManager):
     def _publish_filled(self, filled: Sequence[_GSeq]) -> None:
         """Each sequence's last block just filled: hash it once, publish it in every group."""
         groups = range(self._ng)
-        hashes, parents, tokens, keys = _chain_filled(filled, self._bs, self._digest, self._root)
+        _, hashes, parents, tokens, keys = _filled_columns(filled, self._bs, self._digest, self._root)
         self._cache.publish_blocks(
             [t[-1] for s in filled for t in s.tables],
             [(g, h) for h in hashes for g in groups],

@@ -30,7 +30,7 @@ from .pool import MAX_BLOCKS
 
 __all__ = ["Seq", "token_array", "batch_arguments", "batch_seqs", "id_sequence", "le_bytes", "known", "count", "as_token", "slots_of",
            "not_ready", "block_tables", "flashinfer_layout", "scheduled_tables", "logical_usage",
-           "check_tables", "blocks_for_step", "check_hashes", "filled_columns", "chain_filled", "manager_args", "on_device",
+           "check_tables", "blocks_for_step", "check_hashes", "filled_columns", "manager_args", "on_device",
            "MAX_BLOCK_SIZE"]
 
 _BIG_ENDIAN = sys.byteorder == "big"
@@ -527,22 +527,17 @@ def check_hashes(seqs: dict, keyed: dict, twins: dict | None, hasher, root: Hash
     require(held_twins == twins, "a remembered twin is no live full block of that content")
 
 
-def filled_columns(filled: Sequence[Seq], bs: int, digest, root: Hashable) -> tuple[list, list, list, list, list | None]:
-    """Each sequence's last block just filled: the columns ``PrefixCache.publish_blocks`` takes,
-    blocks, then :func:`chain_filled`'s hashes, parents, tokens and keys. One call per decode step,
-    not per block. Example (block size 4): a sequence of 8 tokens in [3, 5] -> ([5], [h1], [h0],
-    [its last 4 tokens], None), with h1 appended to its hashes."""
-    return ([s.table[-1] for s in filled], *chain_filled(filled, bs, digest, root))
-
-
-def chain_filled(filled: Iterable, bs: int, digest, root: Hashable) -> tuple[list, list, list, list | None]:
-    """Hash each sequence's just-filled last block, chained from the sequence's last hash
-    (``root`` for its first block) with ``digest(parent, bytes)``, and append the hash to the
-    sequence's chain; return hashes, parents, tokens and one :class:`~pagedkv.hashing.BlockKey`
-    (or None) per block once a filled sequence has extra keys (None when none has). Any sequence
-    with ``tokens``, ``hashes`` and ``keys`` will do: the grouped manager publishes the one hash in
-    every group."""
-    hashes, parents, tokens = [], [], []
+def filled_columns(filled: Iterable[Seq], bs: int, digest, root: Hashable) -> tuple[list, list, list, list, list | None]:
+    """Each sequence's last block just filled: hash it, chained from the sequence's last hash
+    (``root`` for its first block) with ``digest(parent, bytes)``, append the hash to the
+    sequence's chain, and return the columns ``PrefixCache.publish_blocks`` takes: blocks,
+    hashes, parents, tokens, and one :class:`~pagedkv.hashing.BlockKey` (or None) per block once
+    a filled sequence has extra keys (None when none has). One call per decode step, not per
+    block, and one loop (the decode path's). Any sequence with ``table``, ``tokens``, ``hashes``
+    and ``keys`` will do: the grouped manager passes its own, whose ``table`` is group 0's, and
+    publishes the one hash in every group. Example (block size 4): a sequence of 8 tokens in
+    [3, 5] -> ([5], [h1], [h0], [its last 4 tokens], None), with h1 appended to its hashes."""
+    blocks, hashes, parents, tokens = [], [], [], []
     block_keys = None
     for s in filled:
         block_tokens = s.tokens[-bs:]
@@ -553,13 +548,14 @@ def chain_filled(filled: Iterable, bs: int, digest, root: Hashable) -> tuple[lis
         else:
             key = s.keys.block_key(len(chain))
             if block_keys is None:
-                block_keys = [None] * len(hashes)
+                block_keys = [None] * len(blocks)
             data = le_bytes(block_tokens)
             h = digest(parent, data + key.suffix if key is not None else data)
         if block_keys is not None:
             block_keys.append(None if s.keys is None else key)
         chain.append(h)
+        blocks.append(s.table[-1])
         hashes.append(h)
         parents.append(parent)
         tokens.append(block_tokens)
-    return hashes, parents, tokens, block_keys
+    return blocks, hashes, parents, tokens, block_keys
