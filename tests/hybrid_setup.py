@@ -31,7 +31,7 @@ from collections import OrderedDict
 import numpy as np
 
 from pagedkv import OutOfBlocks
-from pagedkv.grouped import GroupedKVCacheManager
+from pagedkv import KVCacheManager as GroupedKVCacheManager
 from pagedkv.kv_specs import ChunkedLocalAttention, FullAttention, SlidingWindow
 from pagedkv.model import LlamaDims, PagedLlama
 

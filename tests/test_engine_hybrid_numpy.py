@@ -18,7 +18,7 @@ import pytest
 
 from pagedkv import KVCacheManager, OutOfBlocks
 from pagedkv.engine import Engine
-from pagedkv.grouped import GroupedKVCacheManager
+from pagedkv import KVCacheManager as GroupedKVCacheManager
 from pagedkv.kv_specs import FullAttention, SlidingWindow
 from pagedkv.speculative import DraftModelDrafter, NgramDrafter
 from hybrid_setup import SPECS, WINDOW, EarlyWindow, StaleTables, random_hybrid

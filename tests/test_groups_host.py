@@ -11,7 +11,7 @@ K/V. A hypothesis state machine adds swap_out / swap_in rules to the grouped sta
 The host prefix cache (write-back): exact ids, transfers and events for an evict -> offload ->
 host hit -> load cycle on ``[FullAttention(), SlidingWindow(8)]``, the hit rule across tiers,
 the per-group reachability rule, and the same physical check over the cycle (with a negative
-control); the state machine draws write-back or none and adds eviction pressure and
+control); the state machine draws write-back, write-through or none and adds eviction pressure and
 re-admissions that hit the host.
 """
 from __future__ import annotations
@@ -366,7 +366,7 @@ class SwapMachine(base.GroupsMachine):
     """The grouped state machine with a host tier and swap rules (drains at every step)."""
 
     @initialize(data=st.data(), bs=st.sampled_from([1, 2, 4]), nb=st.integers(6, 24), caching=st.booleans(),
-                hb=st.integers(1, 24), policy=st.sampled_from(["write-back", "none"]))
+                hb=st.integers(1, 24), policy=st.sampled_from(["write-back", "write-through", "none"]))
     def setup(self, data, bs, nb, caching, hb, policy):
         cfg = data.draw(st.sampled_from(self.configs))
         self.m = KVCacheManager(num_blocks=nb, block_size=bs, groups=cfg, enable_prefix_caching=caching,
@@ -511,7 +511,7 @@ TestSwaps.settings = settings(max_examples=150, stateful_step_count=50, deadline
 def test_the_physical_check_catches_an_untagged_transfer(monkeypatch):
     """Negative control: transfers stripped of their group (every one moving group 0's layers)
     leave group 1's K/V behind, and the round trip's reads catch it."""
-    from pagedkv.grouped import GroupedKVCacheManager
+    from pagedkv import KVCacheManager as GroupedKVCacheManager
 
     real = GroupedKVCacheManager.take_transfers
     monkeypatch.setattr(GroupedKVCacheManager, "take_transfers",
@@ -588,7 +588,7 @@ def test_write_back_offloads_evicted_blocks_under_group_and_hash_and_loads_host_
     m.check_invariants()
 
 
-def test_a_host_hit_needs_every_groups_blocks_and_write_through_is_refused():
+def test_a_host_hit_needs_every_groups_blocks_and_write_through_copies_every_group():
     # three host blocks: the full group's chain is kept, the sliding group's blocks are not,
     # so the hit rule finds nothing (group 1 needs blocks 1 and 2 for a hit of 12, 0 and 1 for 8)
     m = make(num_blocks=8, host_blocks=3, groups=WB)
@@ -596,8 +596,13 @@ def test_a_host_hit_needs_every_groups_blocks_and_write_through_is_refused():
     assert [(t.src, t.dst, t.group) for t in moved] == [(0, 0, 0), (2, 1, 0), (4, 2, 0)]
     assert m.lookup(A13) == 0 and m.lookup(A13).host == 0
     m.check_invariants()
-    with pytest.raises(ValueError, match="write-through"):
-        make(host_blocks=4, groups=WB, host_write_policy="write-through")
+    # write-through takes groups too: every published block of every group is copied out once
+    m = make(num_blocks=8, host_blocks=16, groups=WB, host_write_policy="write-through")
+    m.add_sequence("w", A13)
+    m.take_transfers()  # the step that computes them
+    out = m.take_transfers()  # the drain after: their K/V exists, so they are copied out
+    assert sorted(t.group for t in out) == [0, 0, 0, 1, 1, 1]
+    m.check_invariants()
     # "none": swaps only, nothing offloaded
     m = make(num_blocks=8, host_blocks=16, groups=WB, host_write_policy="none")
     moved, events = _evict_a_to_the_host(m)
@@ -654,7 +659,7 @@ def test_physical_evict_offload_host_hit_load_cycle():
 def test_the_physical_check_catches_a_missing_host_load(monkeypatch):
     """Negative control: the host hits' to_device transfers dropped, c's first reads find b's
     K/V (or nothing) in the blocks that should hold a's."""
-    from pagedkv.grouped import GroupedKVCacheManager
+    from pagedkv import KVCacheManager as GroupedKVCacheManager
 
     real = GroupedKVCacheManager.take_transfers
     monkeypatch.setattr(GroupedKVCacheManager, "take_transfers",

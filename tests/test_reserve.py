@@ -144,7 +144,7 @@ def test_reserved_sequence_is_unready():
 @pytest.mark.parametrize("bad", [1, 0, None, "yes", np.int64(1)])
 def test_reserve_must_be_a_bool(bad):
     m = mk()
-    with pytest.raises(ValueError, match="reserve must be a bool"):
+    with pytest.raises(ValueError, match="reserve must be True or False"):
         m.add_sequence("r", toks(0, 10), prefill=0, reserve=bad)
     assert m.num_sequences == 0 and m.num_free_blocks == 16
 

@@ -39,13 +39,14 @@ class CopyQueue:
     "is any copy pending?" with one attribute load; only this class writes it.
     """
 
-    __slots__ = ("_pool", "_copies", "_dst", "sources")
+    __slots__ = ("_pool", "_copies", "_dst", "sources", "queued")
 
     def __init__(self, pool: BlockPool) -> None:
         self._pool = pool
         self._copies: list[CopyOp] = []
         self._dst: dict[int, int] = {}  # destination -> its source
         self.sources: dict[int, int] = {}  # source -> how many pending copies read it
+        self.queued = 0  # copy-on-write copies queued since construction (Usage.cow_copies)
 
     # ---- the queue ---------------------------------------------------------------------------
 
@@ -56,6 +57,7 @@ class CopyQueue:
         self._copies.append(CopyOp(src, new, group))
         self._dst[new] = src
         self.sources[src] = self.sources.get(src, 0) + 1
+        self.queued += 1
 
     def is_destination(self, block: int) -> bool:
         return block in self._dst

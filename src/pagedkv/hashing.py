@@ -42,7 +42,8 @@ from array import array
 from bisect import bisect_right
 from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
-__all__ = ["ALGORITHMS", "BlockHasher", "BlockKey", "ExtraKeys", "HashMemo", "token_bytes", "MAX_TOKEN_ID"]
+__all__ = ["ALGORITHMS", "BlockHasher", "BlockKey", "ExtraKeys", "HashMemo", "token_bytes", "MAX_TOKEN_ID", "le_bytes",
+           "filled_columns"]
 
 ALGORITHMS = ("sha256", "xxh3", "builtin")
 MAX_TOKEN_ID = 2**32 - 1  # token ids are stored as uint32 (every engine's vocabulary fits)
@@ -442,3 +443,48 @@ class HashMemo:
         if remember:
             self.put(key, hashes)
         return hashes
+
+
+def _le_bytes_swapped(tokens: array) -> bytes:  # pragma: no cover - no big-endian CI
+    tokens = tokens[:]
+    tokens.byteswap()
+    return tokens.tobytes()
+
+
+# The tokens' bytes as little-endian uint32, the form every hash is computed over: on a
+# little-endian machine that is the array's own memory, and the C method is called directly.
+le_bytes = _le_bytes_swapped if _BIG_ENDIAN else array.tobytes
+
+
+def filled_columns(filled, bs: int, digest, root: Hashable) -> tuple[list, list, list, list, list | None]:
+    """Each sequence's last block just filled: hash it, chained from the sequence's last hash
+    (``root`` for its first block) with ``digest(parent, bytes)``, append the hash to the
+    sequence's chain, and return the columns ``PrefixCache.publish_blocks`` takes: blocks,
+    hashes, parents, tokens, and one :class:`~pagedkv.hashing.BlockKey` (or None) per block once
+    a filled sequence has extra keys (None when none has). One call per decode step, not per
+    block, and one loop (the decode path's). Any sequence with ``table``, ``tokens``, ``hashes``
+    and ``keys`` will do: the grouped manager passes its own, whose ``table`` is group 0's, and
+    publishes the one hash in every group. Example (block size 4): a sequence of 8 tokens in
+    [3, 5] -> ([5], [h1], [h0], [its last 4 tokens], None), with h1 appended to its hashes."""
+    blocks, hashes, parents, tokens = [], [], [], []
+    block_keys = None
+    for s in filled:
+        block_tokens = s.tokens[-bs:]
+        chain = s.hashes
+        parent = chain[-1] if chain else root
+        if s.keys is None:
+            h = digest(parent, le_bytes(block_tokens))
+        else:
+            key = s.keys.block_key(len(chain))
+            if block_keys is None:
+                block_keys = [None] * len(blocks)
+            data = le_bytes(block_tokens)
+            h = digest(parent, data + key.suffix if key is not None else data)
+        if block_keys is not None:
+            block_keys.append(None if s.keys is None else key)
+        chain.append(h)
+        blocks.append(s.table[-1])
+        hashes.append(h)
+        parents.append(parent)
+        tokens.append(block_tokens)
+    return blocks, hashes, parents, tokens, block_keys

@@ -178,7 +178,7 @@ def _layer_specs_from_config(config: Any, num_layers: int) -> tuple:
             raise ValueError(f"layer {i} is a chunked_attention layer but the config has no attention_chunk_size")
         specs.append(FullAttention() if t == "full_attention" else SlidingWindow(window)
                      if t == "sliding_attention" else ChunkedLocalAttention(chunk))
-    return () if all(isinstance(a, FullAttention) for a in specs) else tuple(specs)
+    return () if all(a.reads_whole_prefix for a in specs) else tuple(specs)
 
 
 def _weight_shapes(d: LlamaDims) -> dict[str, tuple[int, ...]]:
@@ -518,7 +518,7 @@ class PagedLlama:
 
         def dense(layer, q, k, v):
             xp = self._xp
-            spec = None if isinstance(attention[layer], FullAttention) else attention[layer]
+            spec = None if attention[layer].reads_whole_prefix else attention[layer]
             return causal_attention(xp.to_numpy(q), xp.to_numpy(k), xp.to_numpy(v), spec)
 
         return self._decode(ids, np.arange(ids.size), dense)

@@ -25,7 +25,7 @@ from typing import Any, Hashable, Iterable
 
 from .types import AllBlocksCleared, BlockRemoved, BlockStored
 
-__all__ = ["EventLog"]
+__all__ = ["EventLog", "GroupEventLog"]
 
 
 class EventLog:
@@ -94,3 +94,35 @@ class EventLog:
         events, self._events = self._events, []
         stored = self._stored_event
         return [stored(e) if type(e) is tuple else e for e in events]
+
+
+class GroupEventLog(EventLog):
+    """The event log of a manager with several attention groups, whose cache keys are
+    ``(group, hash)`` pairs: each event carries the bare hashes and names its group (and, for a
+    ``BlockStored``, the group's spec kind and window, as vLLM 0.33 sends them); removals fold
+    into one ``BlockRemoved`` per run of one group."""
+
+    __slots__ = ("_removed_group", "_specs")
+
+    def __init__(self, enabled: bool, specs: tuple) -> None:
+        super().__init__(enabled)
+        self._removed_group = 0
+        self._specs = specs
+
+    def removed(self, keys: Iterable[tuple], medium: str) -> None:
+        for g, h in keys:
+            if self._removed and (g != self._removed_group or medium != self._removed_medium):
+                self._flush_removed()
+            self._removed_group, self._removed_medium = g, medium
+            self._removed.append(h)
+
+    def _removed_event(self, hashes: tuple) -> BlockRemoved:
+        return BlockRemoved(hashes, self._removed_medium, self._removed_group)
+
+    def _stored_event(self, e: tuple) -> BlockStored:
+        keys, parent = e[0], e[1]
+        g = keys[0][0]
+        spec = self._specs[g]
+        lora, extra = (e[5], e[6]) if len(e) > 5 else (None, None)
+        return BlockStored(tuple(h for _, h in keys), parent[1], tuple(e[2]), e[3], e[4], lora, extra,
+                           g, spec.kind, spec.sliding_window)

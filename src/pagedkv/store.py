@@ -28,7 +28,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from .kv_specs import AttentionSpec, FullAttention
+from .kv_specs import AttentionSpec
 from .types import TO_DEVICE, TO_HOST
 
 __all__ = ["KVStore", "dense_attention", "kv_bytes_per_block"]
@@ -594,11 +594,11 @@ class KVStore:
 
 def _windowed(spec: Any) -> bool:
     """Whether an attention ``spec`` reads less than the whole prefix (None: full attention)."""
-    if spec is None or isinstance(spec, FullAttention):
+    if spec is None:
         return False
     if not isinstance(spec, AttentionSpec):
         raise ValueError(f"spec must be an attention spec of pagedkv.kv_specs or None, got {spec!r}")
-    return True
+    return not spec.reads_whole_prefix
 
 
 def _query_layout(seq_lens: np.ndarray, query_lens: Any, num_q: int):

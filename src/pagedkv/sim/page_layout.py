@@ -34,16 +34,14 @@ memory sat free while a request waited.
 """
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass
-from functools import reduce
 from typing import Sequence
 
 import numpy as np
 
 from ..checks import int_at_least, number_at_least, require
-from ..kv_specs import AttentionSpec, ChunkedLocalAttention, FullAttention, SlidingWindow
+from ..kv_specs import AttentionSpec, FullAttention
 from .sizing import ModelSpec, attention_groups, equal_page_groups, kv_size
 
 __all__ = [
@@ -61,24 +59,13 @@ __all__ = [
 ]
 
 
-def _first_read_array(spec: AttentionSpec, q: np.ndarray) -> np.ndarray:
-    """:meth:`AttentionSpec.first_read` over an array of positions (same rule, numpy speed)."""
-    if isinstance(spec, FullAttention):
-        return np.zeros_like(q)
-    if isinstance(spec, SlidingWindow):
-        return np.maximum(0, q - spec.window + 1)
-    if isinstance(spec, ChunkedLocalAttention):
-        return q - q % spec.chunk
-    raise ValueError(f"unknown attention spec {spec!r}")
-
-
 def blocks_held_array(spec: AttentionSpec, computed, block_size: int) -> np.ndarray:
     """:meth:`AttentionSpec.blocks_held` for an array of context lengths: the blocks a group holds
     between steps once ``computed`` positions are cached. Example: ``SlidingWindow(128)`` at
     [0, 1000, 4096], block size 16 -> [0, 9, 8]."""
     c = np.asarray(computed, dtype=np.int64)
     last = np.maximum(c - 1, 0)
-    held = -(-c // block_size) - _first_read_array(spec, last) // block_size
+    held = -(-c // block_size) - spec.first_read_array(last) // block_size
     return np.where(c > 0, held, 0)
 
 
@@ -89,13 +76,7 @@ def peak_blocks_array(spec: AttentionSpec, computed, block_size: int) -> np.ndar
     for a window, lcm(chunk, block_size) for a chunk), so a table of its running maximum over
     that span answers every length. Example: ``ChunkedLocalAttention(8192)``, block size 16, at
     8,193 tokens holds 1 block but peaked at 512 (at 8,192)."""
-    c = np.asarray(computed, dtype=np.int64)
-    if isinstance(spec, FullAttention):
-        return blocks_held_array(spec, c, block_size)
-    span = (spec.window + block_size if isinstance(spec, SlidingWindow)
-            else math.lcm(spec.chunk, block_size) + block_size)
-    table = np.maximum.accumulate(blocks_held_array(spec, np.arange(span + 1), block_size))
-    return table[np.minimum(c, span)]
+    return spec.peak_blocks(computed, block_size)
 
 
 @dataclass(frozen=True)

@@ -487,7 +487,6 @@ class PrefixAwareRouter(Router):
         blocks) such that every group holds, under its index, the blocks ``hit_blocks(k *
         block_size)`` names (a window only its last ones), as the grouped manager's ``lookup``."""
         from ..events import hash_to_u64
-        from ..kv_specs import FullAttention
 
         bs = self.block_size
         usable = (len(tokens) - 1) // bs
@@ -498,7 +497,7 @@ class PrefixAwareRouter(Router):
             sets = [self.held[r] if not g else self.held_groups[r].get(g, set()) for g in range(len(self.groups))]
             k = usable
             for g, spec in enumerate(self.groups):
-                if type(spec) is FullAttention:
+                if spec.reads_whole_prefix:
                     k = next((i for i in range(k) if u[i] not in sets[g]), k)
             ok = False
             while not ok:

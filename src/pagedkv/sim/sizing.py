@@ -149,7 +149,7 @@ class ModelSpec:
     @property
     def is_hybrid(self) -> bool:
         """Whether some layer attends to less than the whole context."""
-        return any(not isinstance(a, FullAttention) for a in self.layer_attention)
+        return any(not a.reads_whole_prefix for a in self.layer_attention)
 
     @property
     def is_mla(self) -> bool:
@@ -259,7 +259,7 @@ def layer_attention_from_config(cfg: Mapping[str, Any], num_layers: int) -> tupl
             specs.append(SlidingWindow(_positive_field(cfg, "sliding_window", window)))
         else:
             specs.append(ChunkedLocalAttention(_positive_field(cfg, "attention_chunk_size", chunk)))
-    return tuple(specs) if any(not isinstance(a, FullAttention) for a in specs) else ()
+    return tuple(specs) if any(not a.reads_whole_prefix for a in specs) else ()
 
 
 def spec_from_config(config: Mapping[str, Any] | str | Path, name: str | None = None) -> ModelSpec:

@@ -1,0 +1,692 @@
+"""The coordinator of several attention groups (or one that releases): the only loop over groups.
+
+A hybrid model (gpt-oss: sliding window 128 and full attention, alternating; Gemma 3: five
+sliding layers of 1,024 per full one; Llama 4: chunked local attention of 8,192) keeps one block
+table per group of layers that share an attention type, all drawing block ids from one pool. This
+coordinator loops over the groups and asks each group's spec (:mod:`pagedkv.kv_specs`) the rules
+of its type; it never looks at a spec's type. What it keeps, and why:
+
+* **One pool for all groups**, so memory a sliding group gives back serves the full group's next
+  block. A block id belongs to one group's tables at a time. New blocks of one call are dealt
+  round-robin over the groups (two groups, three blocks each: group 0 [0, 2, 4], group 1
+  [1, 3, 5]).
+* **One hash chain per sequence**, serving every group; the cache key is ``(group, hash)``.
+* **Release as the window moves.** Let c be a sequence's committed positions (``num_computed``
+  minus pending drafts). A group releases the blocks its spec's ``released_below(c)`` puts behind
+  the next query, at the sequence's next call that schedules positions, *before* that call
+  allocates (so they can serve it); not at the end of the call that moved c, because the step
+  whose queries still read them has not run. A decode step makes every release of the batch
+  before it takes any block. Released entries read -1; a released full published block becomes
+  cached-free, revivable by a later hit.
+* **The hit rule.** A hit of h tokens needs, per group, the blocks its spec's ``hit_blocks(h)``
+  names; the search settles the longest h valid for every group, on either tier, by repeating
+  until it is stable (vLLM's hybrid coordinator does the same).
+* **Host tier.** Swaps move every group's private live blocks; with a host prefix cache an
+  evicted published block is offloaded under its ``(group, hash)`` and served back as a host hit.
+  A host block is kept reachable per group (see :meth:`HybridCoordinator._host_anchor`).
+
+Worked example (block size 16, ``[FullAttention(), SlidingWindow(128)]``, a 1,000-token prompt
+admitted whole, then one decode token): the admission takes 63 blocks per group (the step's
+queries read every position); the first append releases the sliding group's blocks 0 .. 53
+(position 1,000 reads 873 .. 1,000), so the sequence holds 63 + 9 blocks, not 126.
+"""
+from __future__ import annotations
+
+from array import array
+from itertools import chain
+from typing import Hashable, Iterable, Sequence
+
+from .checks import require
+from .copy_queue import CopyQueue
+from .coordinator import Coordinator
+from .hashing import BlockHasher, filled_columns
+from .host_tier import HostTier
+from .pending_events import GroupEventLog
+from .pool import BlockPool
+from .prefix_cache import PrefixCache
+from .sequence import Seq
+from .types import TO_HOST, OutOfBlocks, PrefixHit, Transfer
+
+__all__ = ["HybridCoordinator"]
+
+
+class HybridCoordinator(Coordinator):
+    """A table per attention group over one pool; keys ``(group, hash)``."""
+
+    releases = True
+
+    def __init__(self, pool: BlockPool, cq: CopyQueue, hasher: BlockHasher, root: Hashable, block_size: int,
+                 specs: tuple, caching: bool, events: bool, host_blocks: int, policy: str,
+                 window_eviction: str) -> None:
+        log = GroupEventLog(events and caching, specs)
+        hosted = bool(host_blocks) and caching and policy != "none"
+        cache = PrefixCache(pool, log, "GPU", keep_content=hosted, track_twins=True) if caching else None
+        if hosted:
+            tier = HostTier(host_blocks, block_size, log, policy, True, device=cache, root=None,
+                            anchor=self._host_anchor, tag=self._tag_host)
+            cache.forward_evictions(tier.offload)
+        else:
+            tier = HostTier(host_blocks, block_size, None, policy, caching=False) if host_blocks else None
+        super().__init__(pool, cq, hasher, root, block_size, specs, log, cache, tier)
+        self.hosted = hosted
+        self.write_through = hosted and policy == "write-through"
+        self.ng = len(specs)
+        self.local = tuple((g, s) for g, s in enumerate(specs) if not s.reads_whole_prefix)
+        self.window_eviction = window_eviction
+        self.full0 = next((g for g, s in enumerate(specs) if s.reads_whole_prefix), None)
+        # each host block's group (set when a swap or an offload stores it: a host block is in
+        # one group while held), to tag its transfers
+        self.host_group = array("i", bytes(4 * host_blocks)) if host_blocks else None
+
+    def key(self, g: int, h: Hashable) -> tuple:
+        return (g, h)
+
+    def group_of_key(self, key: tuple) -> int:
+        return key[0]
+
+    def rehash(self, parent, *rest):
+        return (parent[0], self.hasher.rehash(parent[1], *rest))
+
+    def _host_anchor(self, key: tuple, parent: tuple) -> tuple | None:
+        """Reachability of a host block under ``key = (g, h)``: a group that reads the whole
+        prefix needs its parent ``(g, previous hash)`` on a tier (none for a first block); a
+        group that releases needs the first whole-prefix group's block of the same hash,
+        ``(f, h)``: its own chain has released holes, and a hit past position i needs ``(f,
+        h_i)`` anyway. With no such group: none (LRU only). Example ([Full, Sliding(8)]): host
+        (1, h3) is dropped when (0, h3) leaves both tiers."""
+        g = key[0]
+        if self.specs[g].reads_whole_prefix:
+            return None if parent[1] == self.root else parent
+        return None if self.full0 is None else (self.full0, key[1])
+
+    def _tag_host(self, host_blocks: list, keys: list) -> None:
+        group = self.host_group
+        for hb, k in zip(host_blocks, keys):
+            group[hb] = k[0]
+
+    def _deal(self, new: list, counts: list) -> list:
+        """``new`` blocks dealt round-robin to the groups, ``counts[g]`` each."""
+        if len(set(counts)) == 1:
+            return [new[g :: self.ng] for g in range(self.ng)]
+        out: list = [[] for _ in counts]
+        it = iter(new)
+        for i in range(max(counts)):
+            for g, c in enumerate(counts):
+                if i < c:
+                    out[g].append(next(it))
+        return out
+
+    # ---- the hit search ----------------------------------------------------------------------
+
+    def _hits(self, hashes: list, limit: int) -> tuple[int, list]:
+        """The longest hit (in blocks, at most ``limit``) valid for every group, on either tier,
+        and per group ``(block, on_host)`` for the blocks its spec's ``hit_blocks`` names. A
+        group that reads the whole prefix walks its chain; the others shorten the hit to their
+        first miss, repeated until the length is stable. Example ([Full, Sliding(8)], block
+        size 4, a 13-token prompt whose 3 full blocks were evicted to the host): k = 3, group 0
+        [(h0, host), (h1, host), (h2, host)], group 1 the last two."""
+        dget, bs = self.cache.get, self.bs
+        hget = self.tier.block_of if self.hosted else None
+        memo: list[dict] = [{} for _ in self.specs]
+
+        def get(g: int, i: int):
+            seen = memo[g]
+            if i in seen:
+                return seen[i]
+            key = (g, hashes[i])
+            b = dget(key)
+            if b is not None:
+                r = (b, False)
+            elif hget is not None:
+                hb = hget(key)
+                r = None if hb is None else (hb, True)
+            else:
+                r = None
+            seen[i] = r
+            return r
+
+        k = limit
+        for g, spec in enumerate(self.specs):
+            if spec.reads_whole_prefix:
+                i = 0
+                while i < k and get(g, i) is not None:
+                    i += 1
+                k = i
+        stable = False
+        while not stable:
+            stable = True
+            for g, spec in self.local:
+                for i in reversed(spec.hit_blocks(k * bs, bs)):
+                    if get(g, i) is None:
+                        k, stable = i, False
+                        break
+                if not stable:
+                    break
+        return k, [[get(g, i) for i in spec.hit_blocks(k * bs, bs)] for g, spec in enumerate(self.specs)]
+
+    def _hit_split(self, k: int, hits: list) -> PrefixHit:
+        """The hit of ``k`` blocks as device and host tokens: a position's block counts as host
+        when some group loads it; ``revived`` counts the device hit blocks now cached-free.
+        Example (block size 4, k = 3, group 0 loads blocks 1 and 2, group 1 loads block 2):
+        PrefixHit(4 device, 8 host)."""
+        bs = self.bs
+        loaded = set()
+        device = []
+        for g, spec in enumerate(self.specs):
+            for i, (b, on_host) in zip(spec.hit_blocks(k * bs, bs), hits[g]):
+                if on_host:
+                    loaded.add(i)
+                else:
+                    device.append(b)
+        return PrefixHit((k - len(loaded)) * bs, len(loaded) * bs, self.pool.count_cached(device))
+
+    def lookup(self, hashes: list, limit: int) -> PrefixHit:
+        return self._hit_split(*self._hits(hashes, limit))
+
+    # ---- admission and prefill ---------------------------------------------------------------
+
+    def admit(self, seq_id: Hashable, tokens, hashes: list, keys, prefill: int | None,
+              reserve: bool) -> tuple[Seq, int, bool]:
+        """Each group takes the hit blocks its spec needs (its other entries below the hit read
+        -1) and a block for every position of the first chunk: the chunk's queries read back
+        into the window, so every group holds the chunk. The capacity check is per chunk, so a
+        long prompt under a small window prefilled in chunks needs only the window and one
+        chunk. Example (block size 4, ``[Full, Sliding(8)]``, 9 tokens, nothing cached, pool
+        fresh): tables [0, 2, 4] and [1, 3, 5]; returns 0 hit tokens."""
+        if reserve:
+            raise ValueError("reserve=True does not take groups that release blocks: a window group would "
+                             "hold, from admission, the blocks its window releases before they are read; "
+                             "admit the prompt chunk by chunk with prefill=k instead")
+        n, bs, cache, specs = len(tokens), self.bs, self.cache, self.specs
+        k = 0
+        rows: list = [[] for _ in specs]
+        loads: list = []  # (group, index, host block)
+        split = None
+        if cache is not None:
+            k, pairs = self._hits(hashes, (n - 1) // bs)
+            split = self._hit_split(k, pairs)
+            for g, spec in enumerate(specs):
+                for i, (b, on_host) in zip(spec.hit_blocks(k * bs, bs), pairs[g]):
+                    if on_host:
+                        loads.append((g, i, b))
+                    rows[g].append(-1 if on_host else b)
+        hit = k * bs
+        computed = n if prefill is None else hit + min(prefill, n - hit)
+        counts = [spec.new_blocks(hit, computed, bs) for spec in specs]
+        fresh = sum(counts)
+        acquire = [b for b in chain.from_iterable(rows) if b >= 0]
+        what = f"admitting {seq_id!r}"
+        j = len(loads)
+        if loads:
+            try:
+                self.cq.check_room(fresh, j, what, acquire)
+            except OutOfBlocks as e:
+                # the j load destinations are the hit's fixed cost: needed and available count
+                # the chunk's blocks only, so that a caller sizing the chunk from ``available``
+                # gets one that fits
+                if fresh == 0:
+                    raise
+                raise OutOfBlocks(e.needed - j, max(0, e.available - j), what) from None
+            self.tier.pin([hb for _, _, hb in loads])
+            dst, new = self.cq.allocate(fresh, j, acquire)
+            self.tier.load_hits([hb for _, _, hb in loads], dst, split.host)
+        elif self.cq.sources:
+            self.cq.check_room(fresh, 0, what, acquire)
+            new = self.cq.allocate(fresh, 0, acquire)[1]
+        else:
+            try:
+                new = self.pool.allocate(fresh, acquire=acquire)
+            except OutOfBlocks as e:
+                raise OutOfBlocks(e.needed, e.available, what) from None
+        tables = []
+        for spec, row in zip(specs, rows):
+            table = [-1] * k
+            for i, b in zip(spec.hit_blocks(hit, bs), row):
+                table[i] = b
+            tables.append(table)
+        for (g, i, _), d in zip(loads, dst if loads else ()):
+            tables[g][i] = d
+        for table, mine in zip(tables, self._deal(new, counts)):
+            table += mine
+        low = [spec.released_below(hit, bs) for spec in specs]
+        s = Seq(tables, low, tokens, hashes, keys, unscheduled=n - computed, written=k)
+        if cache is not None:
+            for g, i, _ in loads:
+                self.publish_loaded(s, g, i, s.tables[g][i])
+            self.publish_run(s, k, computed // bs)
+            cache.record_query(n, hit)
+        if not s.unscheduled:
+            self.arm(s)
+        return s, hit, bool(computed > hit or loads)
+
+    def prefill(self, s: Seq, start: int, stop: int, seq_id: Hashable) -> None:
+        """The releases due, then every group's blocks for positions ``start .. stop - 1``."""
+        bs = self.bs
+        counts = [spec.new_blocks(start, stop, bs) for spec in self.specs]
+        due = self._due(s)
+        fresh = sum(counts)
+        if fresh or due:
+            gain = self._gain(((s, due),)) if due else ()
+            self.cq.check_room(fresh, 0, f"prefilling {seq_id!r}", (), gain)
+            if due:
+                self._release(s, due)
+            if fresh:
+                for t, mine in zip(s.tables, self._deal(self.cq.allocate(fresh, 0)[1], counts)):
+                    t += mine
+
+    # ---- releases ----------------------------------------------------------------------------
+
+    def _due(self, s: Seq) -> list:
+        """``(group, first, stop)`` runs of entries the committed positions let go; changes
+        nothing."""
+        c = len(s.tokens) - s.unscheduled - s.drafts
+        bs, low = self.bs, s.low
+        out = []
+        for g, spec in self.local:
+            r = spec.released_below(c, bs)
+            if r > low[g]:
+                out.append((g, low[g], r))
+        return out
+
+    def _gain(self, runs: Iterable[tuple[Seq, list]]) -> list[int]:
+        """Blocks whose last reference these releases drop (they become free)."""
+        count: dict[int, int] = {}
+        for s, due in runs:
+            for g, a, b in due:
+                for blk in s.tables[g][a:b]:
+                    if blk >= 0:
+                        count[blk] = count.get(blk, 0) + 1
+        return self.pool.freed_by(count)
+
+    def _release(self, s: Seq, due: list) -> None:
+        """Release the runs ``_due`` named: entries read -1, blocks go back (tail first, so that
+        within a run the earlier block outlives the later one, as when a sequence is freed)."""
+        pool = self.pool
+        rc = pool.refcount
+        for g, a, b in due:
+            table = s.tables[g]
+            blocks = [x for x in table[a:b] if x >= 0]
+            table[a:b] = [-1] * (b - a)
+            s.low[g] = b
+            self._let_go(blocks, rc)
+            tier = self.tier
+            if tier is not None and tier.has_pending():  # a load into a block released before
+                unloaded = tier.drop_released_loads(blocks, rc)  # the step ran serves nothing
+                if unloaded and self.cache is not None:
+                    self.unpublish(unloaded)
+            pool.release_all(blocks[::-1])
+
+    def _let_go(self, blocks: list, rc) -> None:
+        """Blocks whose last reference is about to go: a pending copy into one has nothing to
+        serve (the block is unpublished, its content never arrives), and a twin among them no
+        longer holds anything worth its key."""
+        cq = self.cq
+        if cq.sources:
+            into = [b for b in blocks if cq.is_destination(b) and rc(b) == 1]
+            if into:
+                cq.drop_into(into)
+                if self.cache is not None:
+                    self.unpublish(into)
+        cache = self.cache
+        if cache is not None and cache.has_twins:
+            cache.forget_twins([b for b in cache.twins_among(blocks) if rc(b) == 1])
+
+    # ---- the decode path ---------------------------------------------------------------------
+
+    def arm(self, s: Seq) -> None:
+        """The fast path of a fully scheduled sequence without drafts: the next slot, valid
+        while every group's last block is partial and private and no release falls due."""
+        bs = self.bs
+        c = len(s.tokens)
+        off = c % bs
+        s.nxt = -1
+        if not off or self._due(s):
+            return
+        rc = self.pool.refcount
+        for t in s.tables:
+            if rc(t[-1]) != 1:
+                return
+        end_c = c - off + bs
+        for g, spec in self.local:
+            r = spec.next_release(c, bs, end_c)
+            if r < end_c:
+                end_c = r
+        s.shared = False
+        s.nxt = s.table[-1] * bs + off
+        s.end = s.nxt + end_c - c
+
+    def _needs(self, ss: Sequence[Seq]) -> tuple[int, int]:
+        """Fresh blocks and copies one token each for ``ss`` takes (the slow ones): a full last
+        block needs a block per group; ``k`` members sharing a partial block held ``r`` times
+        copy ``min(k, r - 1)`` times."""
+        bs, rc, ng = self.bs, self.pool.refcount, self.ng
+        fresh = 0
+        sharers: dict[int, int] = {}
+        for s in ss:
+            if s.nxt >= 0:
+                continue
+            if len(s.tokens) % bs:
+                for t in s.tables:
+                    b = t[-1]
+                    if rc(b) > 1:
+                        sharers[b] = sharers.get(b, 0) + 1
+            else:
+                fresh += ng
+        return fresh, sum(min(k, rc(b) - 1) for b, k in sharers.items())
+
+    def step_room(self, ss: Sequence[Seq], what: str) -> None:
+        """Before a decode step of ``ss``: OutOfBlocks (nothing changed) unless one token each
+        fits, counting the blocks the due releases free; then every due release, before any
+        block is taken (they may serve the step)."""
+        slow = [s for s in ss if s.nxt < 0]
+        if not slow:
+            return
+        dues = [(s, d) for s in slow for d in (self._due(s),) if d]
+        fresh, copies = self._needs(slow)
+        if fresh or copies:
+            self.cq.check_room(fresh, copies, what, (), self._gain(dues) if dues else ())
+        for s, d in dues:
+            self._release(s, d)
+
+    def tokens_room(self, s: Seq, k: int, what: str) -> None:
+        """Before ``k`` tokens are appended to ``s``: capacity (counting what its due releases
+        free), then those releases."""
+        n, bs = len(s.tokens), self.bs
+        due = self._due(s)
+        fresh = sum(spec.new_blocks(n, n + k, bs) for spec in self.specs)
+        rc = self.pool.refcount
+        copies = sum(1 for t in s.tables if rc(t[-1]) > 1) if n % bs else 0
+        if fresh or copies or due:
+            self.cq.check_room(fresh, copies, what, (), self._gain(((s, due),)) if due else ())
+        if due:
+            self._release(s, due)
+        s.shared = s.shared or bool(copies)
+
+    def grow(self, s: Seq) -> int:
+        """The next token's slot (group 0's) when its group blocks need a decision, with no
+        release (the caller made those due): a fresh block per group at a block end, or a copy
+        of each shared partial last block. Sets ``end`` to the block's end."""
+        bs = self.bs
+        off = len(s.tokens) % bs
+        if off:
+            if s.shared:
+                rc = self.pool.refcount
+                for g, t in enumerate(s.tables):
+                    b = t[-1]
+                    if rc(b) > 1:
+                        self._copy_on_write(s, g, b)
+                s.shared = False
+        else:
+            if self.cq.sources:
+                for t, b in zip(s.tables, self.cq.allocate(self.ng, 0)[1]):
+                    t.append(b)
+            else:
+                one = self.pool.allocate_one
+                for t in s.tables:
+                    t.append(one())
+            s.shared = False
+        slot = s.table[-1] * bs + off
+        s.end = slot - off + bs
+        return slot
+
+    def slot_slow(self, s: Seq) -> int:
+        """The next decode token's slot when the fast path cannot tell: make the releases due
+        (capacity is the caller's to check, counting them), then :meth:`grow`, and arm the fast
+        path up to the block's end or the next release, whichever comes first."""
+        bs = self.bs
+        c = len(s.tokens)
+        end_c = c - c % bs + bs
+        low = s.low
+        for g, spec in self.local:
+            r = spec.released_below(c, bs)
+            if r > low[g]:
+                self._release(s, ((g, low[g], r),))
+            nr = spec.next_release(c, bs, end_c)
+            if nr < end_c:
+                end_c = nr if nr > c else c + 1
+        slot = self.grow(s)
+        s.end = slot + end_c - c
+        return slot
+
+    def _copy_on_write(self, s: Seq, g: int, old: int) -> None:
+        new = self.cq.destination()
+        self.pool.release(old)
+        s.tables[g][-1] = new
+        self.cq.add(old, new, g)
+
+    def drop_tail(self, s: Seq, keep: int) -> None:
+        """Entries past the first ``keep`` held only dropped drafts: back clean, block i of
+        every group before block i - 1."""
+        dropped = []
+        for t in s.tables:
+            dropped.append(t[keep:])
+            del t[keep:]
+        order = [d[i] for i in range(len(dropped[0]) - 1, -1, -1) for d in dropped]
+        if order:
+            self._let_go(order, self.pool.refcount)
+            self.pool.release_all(order)
+
+    # ---- publishing --------------------------------------------------------------------------
+
+    def publish_run(self, s: Seq, first: int, stop: int) -> None:
+        """Offer full blocks ``first .. stop - 1`` of every group (one event per group)."""
+        if stop <= first:
+            return
+        bs, cache = self.bs, self.cache
+        tokens = s.tokens[first * bs : stop * bs]
+        bkeys = None if s.keys is None else s.keys.block_keys(first, stop)
+        for g in range(self.ng):
+            a = max(first, s.low[g])  # (a released entry was published when it filled)
+            if a >= stop:
+                continue
+            blocks, keys = s.tables[g][a:stop], [(g, h) for h in s.hashes[a:stop]]
+            cache.publish(blocks, keys, (g, s.hashes[a - 1] if a else self.root),
+                          tokens[(a - first) * bs :], bs, None if bkeys is None else bkeys[a - first :])
+            if self.write_through:
+                self.tier.published(blocks, keys)
+
+    def publish_filled(self, filled: Sequence[Seq]) -> None:
+        """Each sequence's last block just filled: hash it once, publish it in every group."""
+        groups = range(self.ng)
+        _, hashes, parents, tokens, keys = filled_columns(filled, self.bs, self.hasher.digest, self.root)
+        blocks = [t[-1] for s in filled for t in s.tables]
+        ghashes = [(g, h) for h in hashes for g in groups]
+        self.cache.publish_blocks(blocks, ghashes, [(g, p) for p in parents for g in groups],
+                                  [tk for tk in tokens for _ in groups], self.bs,
+                                  None if keys is None else [k for k in keys for _ in groups])
+        if self.write_through:
+            self.tier.published(blocks, ghashes)
+
+    # ---- fork, free, swaps -------------------------------------------------------------------
+
+    def fork(self, p: Seq) -> Seq:
+        pool = self.pool
+        for t in p.tables:
+            pool.incref_all([b for b in t if b >= 0])
+        p.nxt = -1
+        p.shared = True
+        child = Seq([t.copy() for t in p.tables], p.low.copy(), p.tokens[:], p.hashes.copy(), p.keys,
+                    written=p.computed // self.bs)
+        child.shared = True
+        return child
+
+    def free(self, s: Seq, cache: bool) -> None:
+        """Release every live block of every group, tail first (block i of every group before
+        block i - 1). ``cache=False``: the blocks after the written prefix that it alone holds
+        are unpublished first."""
+        if s.host is not None:
+            self.tier.release([hb for mine in s.host for _, hb in sorted(mine.items())])
+        tables = s.tables
+        rc = self.pool.refcount
+        if cache and self.window_eviction == "with_prefix" and self.local and self.cache is not None:
+            tables = self._with_released(s)
+        order = [b for i in range(len(tables[0]) - 1, -1, -1) for t in tables for b in (t[i],) if b >= 0]
+        self._let_go(order, rc)
+        tier = self.tier
+        unloaded = tier.drop_released_loads(order, rc) if tier is not None else []
+        if self.cache is not None and (unloaded or not cache):
+            mine = unloaded
+            if not cache:
+                gone = set(unloaded)
+                mine = mine + [b for t in tables for b in t[s.written:] if b >= 0 and rc(b) == 1 and b not in gone]
+            if mine:
+                self.unpublish(mine)
+                if self.write_through:
+                    tier.forget_published(mine)
+        self.pool.release_all(order)
+
+    def _with_released(self, s: Seq) -> list:
+        """The sequence's tables with the full blocks its windows released earlier put back where
+        they are still cached-free (revived here; ``free`` releases them again with the rest), so
+        a finished prefix's blocks of every group age together.
+
+        Why (``window_eviction="with_prefix"``, the default): a window block released mid-sequence
+        is the least recently freed block of its prefix, so plain LRU evicts it first; then the
+        prefix's full-attention blocks, all still cached, can hit nothing past the last point a
+        whole window survives (the "reuse cliff", vLLM #48435). Re-aged with the prefix, eviction
+        takes every group's block i before any group's block i - 1: the cached prefix shortens
+        from its tail and every shorter prefix still hits. ``"on_release"`` keeps plain LRU order.
+        """
+        hashes, revive_keyed = s.hashes, self.pool.revive_keyed
+        tables = [list(t) for t in s.tables]
+        for g, _spec in self.local:
+            table = tables[g]
+            stop = min(s.low[g], len(hashes))
+            gone = [i for i in range(stop) if table[i] < 0]
+            for i, b in zip(gone, revive_keyed([(g, hashes[i]) for i in gone])):
+                if b is not None:
+                    table[i] = b
+        return tables
+
+    def pending_on(self, s: Seq) -> bool:
+        live = [b for t in s.tables for b in t if b >= 0]
+        return self.tier.pending_on(live) or any(map(self.cq.is_destination, live))
+
+    def swap_out(self, s: Seq, seq_id: Hashable) -> None:
+        """First the releases due (no host block for what the next query no longer reads);
+        then, group by group, entries in table order, each private block gets a host block and
+        ``Transfer("to_host", block, host, group=g)``, its entry reads -1, and the device block
+        is released (tail first over the groups). Example (block size 4, ``[Full,
+        Sliding(4)]``, 9 tokens then one decode token: tables [0, 2, 4] and [-1, 3, 5]): five
+        host blocks, to_host 0->0, 2->1, 4->2 (group 0) and 3->3, 5->4 (group 1)."""
+        due = self._due(s)
+        released = {g: range(a, b) for g, a, b in due}
+        rc = self.pool.refcount
+        moved = [[i for i, b in enumerate(t) if b >= 0 and rc(b) == 1 and i not in released.get(g, ())]
+                 for g, t in enumerate(s.tables)]
+        device = [s.tables[g][i] for g, idx in enumerate(moved) for i in idx]
+        hashes = [None] * len(device)
+        if self.hosted:
+            nfull = s.computed // self.bs
+            hashes = [(g, s.hashes[i]) if i < nfull else None for g, idx in enumerate(moved) for i in idx]
+        host = self.tier.swap_out(device, hashes, f"swapping out {seq_id!r}")
+        if due:
+            self._release(s, due)
+        s.host = []
+        it = iter(host)
+        group = self.host_group
+        at = {}  # (index, group) -> the device block that entry held
+        for g, idx in enumerate(moved):
+            table, mine = s.tables[g], {}
+            for i in idx:
+                hb = mine[i] = next(it)
+                group[hb] = g
+                at[i, g] = table[i]
+                table[i] = -1
+            s.host.append(mine)
+        s.nxt = -1
+        order = [at[k] for k in sorted(at, key=lambda k: (-k[0], k[1]))]
+        cache = self.cache
+        if cache is not None and cache.has_twins:
+            cache.forget_twins(cache.twins_among(order))  # (all private: their last reference goes)
+        self.pool.release_all(order)
+
+    def swap_in(self, s: Seq, seq_id: Hashable) -> None:
+        """Each moved entry gets a device block and ``Transfer("to_device", host, block,
+        group=g)``, or, for a full block whose ``(group, hash)`` the device still caches, that
+        block (revived, no transfer); loaded full blocks are published again."""
+        cache, bs = self.cache, self.bs
+        nfull = s.computed // bs
+        revive: list[tuple[int, int, int]] = []  # (group, index, device block)
+        loads: list[tuple[int, int]] = []  # (group, index)
+        for g, mine in enumerate(s.host):
+            for i in sorted(mine):
+                d = cache.get((g, s.hashes[i])) if cache is not None and i < nfull else None
+                if d is not None and not self.cq.is_destination(d):
+                    revive.append((g, i, d))
+                else:
+                    loads.append((g, i))
+        revived = [d for _, _, d in revive]
+        self.cq.check_room(0, len(loads), f"swapping in {seq_id!r}", revived)
+        new = self.cq.allocate(0, len(loads), revived)[0]
+        for g, i, d in revive:
+            s.tables[g][i] = d
+        for (g, i), d in zip(loads, new):
+            s.tables[g][i] = d
+        self.tier.swap_in([s.host[g][i] for g, i in loads], new, [s.host[g][i] for g, i, _ in revive])
+        s.host = None
+        if cache is not None:
+            for (g, i), d in zip(loads, new):
+                if i < nfull:
+                    self.publish_loaded(s, g, i, d)
+        self.arm(s)
+
+    def take_transfers(self) -> list:
+        group = self.host_group
+        return [Transfer(t.direction, t.src, t.dst, group[t.dst if t.direction == TO_HOST else t.src])
+                for t in self.tier.take_transfers(self.cache)]
+
+    # ---- exports and accounting --------------------------------------------------------------
+
+    def check_live(self, s: Seq, g: int, start: int, stop: int, seq_id: Hashable) -> None:
+        bs = self.bs
+        if start < stop and any(b < 0 for b in s.tables[g][start // bs : -(-stop // bs)]):
+            raise ValueError(f"positions from {start} of {seq_id!r} are released in group {g} "
+                             f"(its live blocks start at position {s.low[g] * bs})")
+
+    def rows(self, ss: Sequence[Seq], g: int, unready: bool, live: bool) -> list:
+        """Group ``g``'s rows: the whole table (released entries -1), or only its live pages."""
+        if live:
+            return [[b for b in s.tables[g] if b >= 0] for s in ss]
+        return [s.tables[g] for s in ss]
+
+    def usage(self, seqs, group: int | None) -> dict:
+        """Block counts over the groups (or group ``group``'s), each sequence's positions once
+        in ``logical_tokens``, a position once per group holding it in ``stored_tokens``.
+        Example (block size 4, [Full, Sliding(4)], one 10-token sequence after one decode
+        append): group 0 holds 3 blocks and 11 states, group 1 2 blocks and 7."""
+        bs, pool = self.bs, self.pool
+        groups = range(self.ng) if group is None else (group,)
+        logical = logical_blocks = 0
+        used: set = set()
+        partial: dict[int, int] = {}
+        for s in seqs:
+            c = s.computed
+            logical += c
+            for g in groups:
+                t = s.tables[g]
+                live = [b for b in t if b >= 0]
+                used.update(live)
+                logical_blocks += len(live)
+                if c % bs and t[-1] >= 0:
+                    partial[t[-1]] = c % bs
+        stored = len(used) * bs - len(partial) * bs + sum(partial.values())
+        nused = len(used) if group is not None else pool.num_used
+        fields = pool.usage_fields()
+        if group is not None:
+            keyed = pool.keyed_blocks().items() if self.cache is not None else ()
+            fields.update(used_blocks=nused,
+                          cached_blocks=sum(1 for b, key in keyed if key[0] == group and pool.is_cached(b)))
+        allocated = nused * bs
+        return dict(fields, block_size=bs, logical_tokens=logical, stored_tokens=stored, allocated_slots=allocated,
+                    internal_fragmentation=1 - stored / allocated if allocated else 0.0,
+                    blocks_saved_by_sharing=logical_blocks - nused)
+
+    def check_invariants(self, host_refs: dict) -> None:
+        super().check_invariants(host_refs)
+        if self.tier is not None:
+            for hb, key in self.tier.cached_keys().items():
+                require(type(key) is tuple and len(key) == 2 and 0 <= key[0] < self.ng
+                        and self.host_group[hb] == key[0], f"host block {hb}: key {key!r} or its group tag is wrong")
+        for c in self.cq.pending():
+            require(self.pool.refcount(c.dst) > 0, f"copy destination {c.dst} is free")
