@@ -12,7 +12,8 @@ tier, event log, sequence state, exports); never the facade.
 """
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from array import array
+from typing import Hashable, Iterable, Sequence
 
 from .checks import require
 from .copy_queue import CopyQueue
@@ -35,7 +36,8 @@ class Coordinator:
     releases = False
 
     def __init__(self, pool: BlockPool, cq: CopyQueue, hasher: BlockHasher, root: Hashable, block_size: int,
-                 specs: tuple, log: EventLog, cache: PrefixCache | None, tier: HostTier | None) -> None:
+                 specs: tuple, log: EventLog, cache: PrefixCache | None, tier: HostTier | None,
+                 window_eviction: str) -> None:
         self.pool = pool
         self.cq = cq
         self.hasher = hasher
@@ -45,6 +47,13 @@ class Coordinator:
         self.log = log
         self.cache = cache
         self.tier = tier
+        # the groups that release blocks (sliding, chunked): (index, spec); none for one full group
+        self.local = tuple((g, spec) for g, spec in enumerate(specs) if not spec.reads_whole_prefix)
+        self.window_eviction = window_eviction
+        self.write_through = False
+        # each host block's group (set when a swap or an offload stores it: a host block is in
+        # one group while held), to tag its transfers
+        self.host_group = array("i", bytes(4 * tier.num_blocks)) if tier is not None else None
 
     def reset(self) -> bool:
         """Drop every cached key on both tiers; refused while a block is in use or a transfer is
@@ -85,8 +94,207 @@ class Coordinator:
         """The group a cache key belongs to."""
         raise NotImplementedError
 
+    # ---- releases, the free order and swaps: the same rules for every configuration ---------
+
+    def _due(self, s: Seq) -> list:
+        """``(group, first, stop)`` runs of entries the committed positions let go; changes
+        nothing."""
+        c = len(s.tokens) - s.unscheduled - s.drafts
+        bs, low = self.bs, s.low
+        out = []
+        for g, spec in self.local:
+            r = spec.released_below(c, bs)
+            if r > low[g]:
+                out.append((g, low[g], r))
+        return out
+
+    def _gain(self, runs: Iterable[tuple[Seq, list]]) -> list[int]:
+        """Blocks whose last reference these releases drop (they become free)."""
+        count: dict[int, int] = {}
+        for s, due in runs:
+            for g, a, b in due:
+                for blk in s.tables[g][a:b]:
+                    if blk >= 0:
+                        count[blk] = count.get(blk, 0) + 1
+        return self.pool.freed_by(count)
+
+    def _release(self, s: Seq, due: list) -> None:
+        """Release the runs ``_due`` named: entries read -1, blocks go back (tail first, so that
+        within a run the earlier block outlives the later one, as when a sequence is freed)."""
+        pool = self.pool
+        rc = pool.refcount
+        for g, a, b in due:
+            table = s.tables[g]
+            blocks = [x for x in table[a:b] if x >= 0]
+            table[a:b] = [-1] * (b - a)
+            s.low[g] = b
+            self._let_go(blocks, rc)
+            tier = self.tier
+            if tier is not None and tier.has_pending():  # a load into a block released before
+                unloaded = tier.drop_released_loads(blocks, rc)  # the step ran serves nothing
+                if unloaded and self.cache is not None:
+                    self.unpublish(unloaded)
+            pool.release_all(blocks[::-1])
+
+    def _let_go(self, blocks: list, rc) -> None:
+        """Blocks whose last reference is about to go: a pending copy into one has nothing to
+        serve (the block is unpublished, its content never arrives), and a twin among them no
+        longer holds anything worth its key."""
+        cq = self.cq
+        if cq.sources:
+            into = [b for b in blocks if cq.is_destination(b) and rc(b) == 1]
+            if into:
+                cq.drop_into(into)
+                if self.cache is not None:
+                    self.unpublish(into)
+        cache = self.cache
+        if cache is not None and cache.has_twins:
+            cache.forget_twins([b for b in cache.twins_among(blocks) if rc(b) == 1])
+
+    def drop_tail(self, s: Seq, keep: int) -> None:
+        """Entries past the first ``keep`` held only dropped drafts: back clean, block i of
+        every group before block i - 1."""
+        dropped = []
+        for t in s.tables:
+            dropped.append(t[keep:])
+            del t[keep:]
+        order = [d[i] for i in range(len(dropped[0]) - 1, -1, -1) for d in dropped]
+        if order:
+            self._let_go(order, self.pool.refcount)
+            self.pool.release_all(order)
+
+    def free(self, s: Seq, cache: bool) -> None:
+        """Release every live block of every group, tail first (block i of every group before
+        block i - 1). ``cache=False``: the blocks after the written prefix that it alone holds
+        are unpublished first."""
+        if s.host is not None:
+            self.tier.release([hb for mine in s.host for _, hb in sorted(mine.items())])
+        tables = s.tables
+        rc = self.pool.refcount
+        if cache and self.window_eviction == "with_prefix" and self.local and self.cache is not None:
+            tables = self._with_released(s)
+        order = self._free_order(s, tables)
+        self._let_go(order, rc)
+        tier = self.tier
+        unloaded = tier.drop_released_loads(order, rc) if tier is not None else []
+        if self.cache is not None and (unloaded or not cache):
+            mine = unloaded
+            if not cache:
+                gone = set(unloaded)
+                mine = mine + [b for t in tables for b in t[s.written:] if b >= 0 and rc(b) == 1 and b not in gone]
+            if mine:
+                self.unpublish(mine)
+                if self.write_through:
+                    tier.forget_published(mine)
+        self.pool.release_all(order)
+
+    def _free_order(self, s: Seq, tables: list) -> list:
+        """Every live block, tail first: block i of every group before block i - 1."""
+        return [b for i in range(len(tables[0]) - 1, -1, -1) for t in tables for b in (t[i],) if b >= 0]
+
+    def _with_released(self, s: Seq) -> list:
+        """The sequence's tables with the full blocks its windows released earlier put back where
+        they are still cached-free (revived here; ``free`` releases them again with the rest), so
+        a finished prefix's blocks of every group age together.
+
+        Why (``window_eviction="with_prefix"``, the default): a window block released mid-sequence
+        is the least recently freed block of its prefix, so plain LRU evicts it first; then the
+        prefix's full-attention blocks, all still cached, can hit nothing past the last point a
+        whole window survives (the "reuse cliff", vLLM #48435). Re-aged with the prefix, eviction
+        takes every group's block i before any group's block i - 1: the cached prefix shortens
+        from its tail and every shorter prefix still hits. ``"on_release"`` keeps plain LRU order.
+        """
+        hashes, revive_keyed = s.hashes, self.pool.revive_keyed
+        tables = [list(t) for t in s.tables]
+        for g, _spec in self.local:
+            table = tables[g]
+            stop = min(s.low[g], len(hashes))
+            gone = [i for i in range(stop) if table[i] < 0]
+            for i, b in zip(gone, revive_keyed([self.key(g, hashes[i]) for i in gone])):
+                if b is not None:
+                    table[i] = b
+        return tables
+
+    def pending_on(self, s: Seq) -> bool:
+        live = [b for t in s.tables for b in t if b >= 0]
+        return self.tier.pending_on(live) or any(map(self.cq.is_destination, live))
+
+    def swap_out(self, s: Seq, seq_id: Hashable) -> None:
+        """First the releases due (no host block for what the next query no longer reads);
+        then, group by group, entries in table order, each private block gets a host block and
+        ``Transfer("to_host", block, host, group=g)``, its entry reads -1, and the device block
+        is released (tail first over the groups). Example (block size 4, ``[Full,
+        Sliding(4)]``, 9 tokens then one decode token: tables [0, 2, 4] and [-1, 3, 5]): five
+        host blocks, to_host 0->0, 2->1, 4->2 (group 0) and 3->3, 5->4 (group 1)."""
+        due = self._due(s)
+        released = {g: range(a, b) for g, a, b in due}
+        rc = self.pool.refcount
+        moved = [[i for i, b in enumerate(t) if b >= 0 and rc(b) == 1 and i not in released.get(g, ())]
+                 for g, t in enumerate(s.tables)]
+        device = [s.tables[g][i] for g, idx in enumerate(moved) for i in idx]
+        hashes = [None] * len(device)
+        if self.cache is not None:
+            nfull = s.computed // self.bs
+            hashes = [self.key(g, s.hashes[i]) if i < nfull else None for g, idx in enumerate(moved) for i in idx]
+        host = self.tier.swap_out(device, hashes, f"swapping out {seq_id!r}")
+        if due:
+            self._release(s, due)
+        s.host = []
+        it = iter(host)
+        group = self.host_group
+        at = {}  # (index, group) -> the device block that entry held
+        for g, idx in enumerate(moved):
+            table, mine = s.tables[g], {}
+            for i in idx:
+                hb = mine[i] = next(it)
+                group[hb] = g
+                at[i, g] = table[i]
+                table[i] = -1
+            s.host.append(mine)
+        s.nxt = -1
+        s.drop_mirror()
+        order = [at[k] for k in sorted(at, key=lambda k: (-k[0], k[1]))]
+        cache = self.cache
+        if cache is not None and cache.has_twins:
+            cache.forget_twins(cache.twins_among(order))  # (all private: their last reference goes)
+        self.pool.release_all(order)
+
+    def swap_in(self, s: Seq, seq_id: Hashable) -> None:
+        """Each moved entry gets a device block and ``Transfer("to_device", host, block,
+        group=g)``, or, for a full block whose ``(group, hash)`` the device still caches, that
+        block (revived, no transfer); loaded full blocks are published again."""
+        cache, bs = self.cache, self.bs
+        nfull = s.computed // bs
+        revive: list[tuple[int, int, int]] = []  # (group, index, device block)
+        loads: list[tuple[int, int]] = []  # (group, index)
+        for g, mine in enumerate(s.host):
+            for i in sorted(mine):
+                d = cache.get(self.key(g, s.hashes[i])) if cache is not None and i < nfull else None
+                if d is not None and not self.cq.is_destination(d):
+                    revive.append((g, i, d))
+                else:
+                    loads.append((g, i))
+        revived = [d for _, _, d in revive]
+        self.cq.check_room(0, len(loads), f"swapping in {seq_id!r}", revived)
+        new = self.cq.allocate(0, len(loads), revived)[0]
+        for g, i, d in revive:
+            s.tables[g][i] = d
+        for (g, i), d in zip(loads, new):
+            s.tables[g][i] = d
+        self.tier.swap_in([s.host[g][i] for g, i in loads], new, [s.host[g][i] for g, i, _ in revive])
+        s.host = None
+        if cache is not None:
+            for (g, i), d in zip(loads, new):
+                if i < nfull:
+                    self.publish_loaded(s, g, i, d)
+        self.arm(s)
+
     def check_live(self, s: Seq, g: int, start: int, stop: int, seq_id: Hashable) -> None:
-        """ValueError when positions ``start .. stop - 1`` include one group ``g`` released."""
+        bs = self.bs
+        if start < stop and any(b < 0 for b in s.tables[g][start // bs : -(-stop // bs)]):
+            raise ValueError(f"positions from {start} of {seq_id!r} are released in group {g} "
+                             f"(its live blocks start at position {s.low[g] * bs})")
+
 
     def check_invariants(self, host_refs: dict) -> None:
         """The host tier's own check, given the host blocks the swapped-out sequences hold."""
@@ -113,7 +321,7 @@ class UnitaryCoordinator(Coordinator):
         cache = PrefixCache(pool, log, "GPU", keep_content=tiered, track_twins=True) if caching else None
         tier = (HostTier(host_blocks, block_size, log, policy, caching, device=cache, root=root)
                 if tiered else None)
-        super().__init__(pool, cq, hasher, root, block_size, specs, log, cache, tier)
+        super().__init__(pool, cq, hasher, root, block_size, specs, log, cache, tier, window_eviction)
         if tier is not None and cache is not None:  # every policy: see HostTier.offload
             cache.forward_evictions(tier.offload)
         self.write_through = tiered and caching and policy == "write-through"
@@ -243,13 +451,6 @@ class UnitaryCoordinator(Coordinator):
         self.cq.add(old, new)
         return new
 
-    def drop_tail(self, s: Seq, keep: int) -> None:
-        """Blocks past the first ``keep`` held only dropped drafts: back clean, tail first."""
-        dropped = s.table[keep:]
-        if dropped:
-            del s.table[keep:]
-            self.pool.release_all(dropped[::-1])
-
     # ---- publishing --------------------------------------------------------------------------
 
     def publish_run(self, s: Seq, first: int, stop: int) -> None:
@@ -285,74 +486,12 @@ class UnitaryCoordinator(Coordinator):
         child.shared = True
         return child
 
-    def free(self, s: Seq, cache: bool) -> None:
-        table = s.table
-        if s.host is not None:  # swapped out: its host blocks go, its shared device blocks stay
-            host = s.host[0]
-            self.tier.release([host[i] for i in sorted(host)])
-            table = [b for b in table if b >= 0]
-        refcount = self.pool.refcount
-        if self.cq.sources:
-            self.cq.drop_into([b for b in table if refcount(b) == 1])
-        tier = self.tier
-        unloaded = tier.drop_released_loads(table, refcount) if tier is not None else []
-        prefix = self.cache
-        if prefix is not None and prefix.has_twins:  # a twin going back clean is no twin
-            prefix.forget_twins([b for b in prefix.twins_among(table) if refcount(b) == 1])
-        if prefix is not None and (unloaded or not cache):
-            # a dropped load never fills its block: like unwritten K/V, it must not stay findable
-            mine = unloaded
-            if not cache:  # and the blocks after the written prefix, which it computed itself
-                mine = mine + [b for b in s.table[s.written :]
-                               if b >= 0 and refcount(b) == 1 and b not in unloaded]
-            self.unpublish(mine)
-            if self.write_through:
-                tier.forget_published(mine)
-        self.pool.release_all(table[::-1])
-
-    def pending_on(self, s: Seq) -> bool:
-        """Whether a pending transfer or copy touches the sequence's blocks."""
-        table = s.table
-        return self.tier.pending_on(table) or any(map(self.cq.is_destination, table))
-
-    def swap_out(self, s: Seq, seq_id: Hashable) -> None:
-        table, refcount, hashed = s.table, self.pool.refcount, self.cache is not None
-        private = [i for i, b in enumerate(table) if refcount(b) == 1]
-        released = [table[i] for i in private]
-        nh = len(s.hashes) if hashed else 0
-        hashes = [s.hashes[i] if i < nh else None for i in private]
-        host = self.tier.swap_out(released, hashes, f"swapping out {seq_id!r}")
-        for i in private:
-            table[i] = -1
-        s.drop_mirror()
-        s.host = [dict(zip(private, host))]
-        s.nxt = -1
-        if self.cache is not None and self.cache.has_twins:
-            self.cache.forget_twins(released)  # (all private: their last reference goes)
-        self.pool.release_all(released[::-1])
-
-    def swap_in(self, s: Seq, seq_id: Hashable) -> None:
-        nfull = s.computed // self.bs
-        host = s.host[0]
-        revive, loads = self.tier.plan_swap_in(host, s.hashes, nfull)
-        revived = list(revive.values())
-        self.cq.check_room(0, len(loads), f"swapping in {seq_id!r}", revived)
-        new = self.cq.allocate(0, len(loads), revived)[0]
-        table = s.table
-        for i, d in revive.items():
-            table[i] = d
-        for i, d in zip(loads, new):
-            table[i] = d
-        s.host = None
-        self.tier.swap_in([host[i] for i in loads], new, [host[i] for i in revive])
-        if self.cache is not None:  # loaded full blocks are findable again, once their K/V is back
-            for i, d in zip(loads, new):
-                if i < nfull:
-                    self.publish_loaded(s, 0, i, d)
-        self.arm(s)
-
     def take_transfers(self) -> list:
         return self.tier.take_transfers(self.cache)
+
+    def _free_order(self, s: Seq, tables: list) -> list:
+        table = tables[0]
+        return table[::-1] if s.host is None else [b for b in reversed(table) if b >= 0]
 
     # ---- exports and accounting --------------------------------------------------------------
 

@@ -415,23 +415,6 @@ class HostTier:
             self.drop_orphans(gone)
         return host
 
-    def plan_swap_in(self, host: dict[int, int], hashes: Sequence[Hashable], nfull: int) -> tuple[dict, list]:
-        """For a swapped-out sequence (``host``: table index -> host block; ``hashes``: its
-        chained hashes, ``nfull`` of its blocks full): ``(revive, loads)``, the indexes whose
-        content the device still caches (index -> that device block: revived, no transfer) and
-        the indexes to load, ascending. Example: full blocks 0 and 1 on the host, block 0's
-        hash still mapped on the device to block 7 -> ({0: 7}, [1])."""
-        order = sorted(host)
-        revive = {}
-        device = self._device
-        if device is not None:
-            for i in order:
-                if i < nfull:
-                    d = device.get(hashes[i])
-                    if d is not None:
-                        revive[i] = d
-        return revive, [i for i in order if i not in revive]
-
     def swap_in(self, host_blocks: Sequence[int], device_blocks: Sequence[int], revived: Sequence[int] = ()) -> None:
         """The swapped sequence's host blocks go back into ``device_blocks``: ``to_device``
         transfers (pinning the host blocks until drained), and the sequence lets go of them and
