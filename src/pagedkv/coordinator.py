@@ -208,7 +208,7 @@ class Coordinator:
         tables = [list(t) for t in s.tables]
         for g, _spec in self.local:
             table = tables[g]
-            stop = min(s.low[g], len(hashes))
+            stop = min(s.low[g], len(hashes), len(table))
             gone = [i for i in range(stop) if table[i] < 0]
             for i, b in zip(gone, revive_keyed([self.key(g, hashes[i]) for i in gone])):
                 if b is not None:
@@ -488,6 +488,14 @@ class UnitaryCoordinator(Coordinator):
 
     def take_transfers(self) -> list:
         return self.tier.take_transfers(self.cache)
+
+    def drop_tail(self, s: Seq, keep: int) -> None:
+        """Blocks past the first ``keep`` held only dropped drafts (never published, never a
+        copy's destination): back clean, tail first."""
+        dropped = s.table[keep:]
+        if dropped:
+            del s.table[keep:]
+            self.pool.release_all(dropped[::-1])
 
     def _free_order(self, s: Seq, tables: list) -> list:
         table = tables[0]

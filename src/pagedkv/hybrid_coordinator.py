@@ -70,6 +70,7 @@ class HybridCoordinator(Coordinator):
         self.hosted = hosted
         self.write_through = hosted and policy == "write-through"
         self.ng = len(specs)
+        self.kept = [spec.kept_blocks(block_size) for spec in specs]
         self.full0 = next((g for g, s in enumerate(specs) if s.reads_whole_prefix), None)
 
     def key(self, g: int, h: Hashable) -> tuple:
@@ -396,21 +397,26 @@ class HybridCoordinator(Coordinator):
     # ---- publishing --------------------------------------------------------------------------
 
     def publish_run(self, s: Seq, first: int, stop: int) -> None:
-        """Offer full blocks ``first .. stop - 1`` of every group (one event per group)."""
+        """Offer full blocks ``first .. stop - 1`` of every group (one event per group and run):
+        the kept blocks, and the live entries from the group's first live one on (a released
+        entry was published when it filled)."""
         if stop <= first:
             return
         bs, cache = self.bs, self.cache
         tokens = s.tokens[first * bs : stop * bs]
         bkeys = None if s.keys is None else s.keys.block_keys(first, stop)
         for g in range(self.ng):
-            a = max(first, s.low[g])  # (a released entry was published when it filled)
-            if a >= stop:
-                continue
-            blocks, keys = s.tables[g][a:stop], [(g, h) for h in s.hashes[a:stop]]
-            cache.publish(blocks, keys, (g, s.hashes[a - 1] if a else self.root),
-                          tokens[(a - first) * bs :], bs, None if bkeys is None else bkeys[a - first :])
-            if self.write_through:
-                self.tier.published(blocks, keys)
+            kept = min(self.kept[g], stop)
+            runs = ((first, kept), (max(first, s.low[g]), stop)) if first < kept else ((max(first, s.low[g]), stop),)
+            for a, b in runs:
+                if a >= b:
+                    continue
+                blocks, keys = s.tables[g][a:b], [(g, h) for h in s.hashes[a:b]]
+                cache.publish(blocks, keys, (g, s.hashes[a - 1] if a else self.root),
+                              tokens[(a - first) * bs : (b - first) * bs], bs,
+                              None if bkeys is None else bkeys[a - first : b - first])
+                if self.write_through:
+                    self.tier.published(blocks, keys)
 
     def publish_filled(self, filled: Sequence[Seq]) -> None:
         """Each sequence's last block just filled: hash it once, publish it in every group."""

@@ -69,6 +69,16 @@ class AttentionSpec:
         return np.fromiter((self.first_read(int(x)) for x in np.ravel(q)), dtype=np.int64,
                            count=np.size(q)).reshape(np.shape(q))
 
+    def read_ranges(self, q: int, block_size: int) -> list[range]:
+        """The positions a query at ``q`` reads from the cache, as ranges: the kept blocks'
+        positions (up to q) and ``first_read(q) .. q``. Example (block size 16, window 128):
+        position 1,000 reads [range(873, 1001)]."""
+        first = self.first_read(q)
+        kept = min(self.kept_blocks(block_size) * block_size, q + 1)
+        if kept >= first:
+            return [range(0, q + 1)]
+        return [range(first, q + 1)] if not kept else [range(0, kept), range(first, q + 1)]
+
     def kept_blocks(self, block_size: int) -> int:
         """Leading blocks no query ever stops reading (attention sinks); 0 for the types here."""
         return 0

@@ -447,14 +447,14 @@ class KVCacheManager:
             self._coord.step_room((s,), f"appending to {seq_id!r}")
             slot = self._slot_slow(s)
         s.tokens.append(token_id)
-        slot += 1
-        if slot != s.end:
-            s.nxt = slot
+        nxt = slot + 1
+        if nxt != s.end:
+            s.nxt = nxt
         else:
             s.nxt = -1
-            if not slot % self._bs and self._cache is not None:
+            if not nxt % self._bs and self._cache is not None:
                 self._publish_filled((s,))
-        return slot - 1
+        return slot
 
     def append_tokens(self, seq_id: Hashable, token_ids: Sequence[int], speculative: bool = False) -> list[int]:
         """Append several tokens; returns their slots (group 0's). All or nothing.
@@ -473,7 +473,8 @@ class KVCacheManager:
         if not k:
             return []
         slot = s.nxt
-        if not (slot >= 0 and slot + k <= s.end):  # not all in the private last block
+        room = slot >= 0 and slot + k <= s.end  # all in the private last block: nothing to take
+        if not room:
             self._coord.tokens_room(s, k, f"appending to {seq_id!r}")
         if self._busy is not None:
             self._busy.add(s)
@@ -481,6 +482,10 @@ class KVCacheManager:
             if not s.drafts:
                 self._unready += 1
             s.drafts += k
+            if room:
+                s.tokens.extend(toks)
+                s.nxt = -1  # drafts pending: the next append goes through the checks
+                return list(range(slot, slot + k))
         grow, bs = self._coord.grow, self._bs
         publish = self._cache is not None and not speculative
         out = []
