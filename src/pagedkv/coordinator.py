@@ -289,6 +289,39 @@ class Coordinator:
                     self.publish_loaded(s, g, i, d)
         self.arm(s)
 
+    def _needs(self, ss: Sequence[Seq]) -> tuple[int, int]:
+        """Fresh blocks and copies one token each for ``ss`` takes (the slow ones): a full last
+        block needs a block per group; ``k`` members sharing a partial block held ``r`` times
+        copy ``min(k, r - 1)`` times."""
+        bs, rc, ng = self.bs, self.pool.refcount, len(self.specs)
+        fresh = 0
+        sharers: dict[int, int] = {}
+        for s in ss:
+            if s.nxt >= 0:
+                continue
+            if len(s.tokens) % bs:
+                for t in s.tables:
+                    b = t[-1]
+                    if rc(b) > 1:
+                        sharers[b] = sharers.get(b, 0) + 1
+            else:
+                fresh += ng
+        return fresh, sum(min(k, rc(b) - 1) for b, k in sharers.items())
+
+    def tokens_room(self, s: Seq, k: int, what: str) -> None:
+        """Before ``k`` tokens are appended to ``s``: capacity (counting what its due releases
+        free), then those releases."""
+        n, bs = len(s.tokens), self.bs
+        due = self._due(s)
+        fresh = sum(spec.new_blocks(n, n + k, bs) for spec in self.specs)
+        rc = self.pool.refcount
+        copies = sum(1 for t in s.tables if rc(t[-1]) > 1) if n % bs else 0
+        if fresh or copies or due:
+            self.cq.check_room(fresh, copies, what, (), self._gain(((s, due),)) if due else ())
+        if due:
+            self._release(s, due)
+        s.shared = s.shared or bool(copies)
+
     def check_live(self, s: Seq, g: int, start: int, stop: int, seq_id: Hashable) -> None:
         bs = self.bs
         if start < stop and any(b < 0 for b in s.tables[g][start // bs : -(-stop // bs)]):
@@ -396,31 +429,9 @@ class UnitaryCoordinator(Coordinator):
                 s.shared = False
 
     def step_room(self, ss: Sequence[Seq], what: str) -> None:
-        """OutOfBlocks (nothing changed) unless one token each for ``ss`` fits. A full last block
-        needs a fresh block; ``k`` members sharing a partial block held ``r`` times copy
-        ``min(k, r - 1)`` times (each writer copies while another holder remains). Example: 3
-        forks of one partial block all appending -> 0 fresh, 2 copies."""
-        bs, refcount = self.bs, self.pool.refcount
-        fresh = 0
-        sharers: dict[int, int] = {}
-        for s in ss:
-            if s.nxt >= 0:  # a fast-path slot: private room in its last block
-                continue
-            if len(s.tokens) % bs:
-                b = s.table[-1]
-                if refcount(b) > 1:
-                    sharers[b] = sharers.get(b, 0) + 1
-            else:
-                fresh += 1
-        copies = sum(min(k, refcount(b) - 1) for b, k in sharers.items())
+        """OutOfBlocks (nothing changed) unless one token each for ``ss`` fits."""
+        fresh, copies = self._needs(ss)
         if fresh or copies:
-            self.cq.check_room(fresh, copies, what)
-
-    def tokens_room(self, s: Seq, k: int, what: str) -> None:
-        n, bs = len(s.tokens), self.bs
-        fresh = -(-(n + k) // bs) - -(-n // bs)
-        copies = 1 if n % bs and self.pool.refcount(s.table[-1]) > 1 else 0
-        if fresh + copies:
             self.cq.check_room(fresh, copies, what)
 
     def slot_slow(self, s: Seq) -> int:

@@ -6,24 +6,16 @@ table per group of layers that share an attention type, all drawing block ids fr
 coordinator loops over the groups and asks each group's spec (:mod:`pagedkv.kv_specs`) the rules
 of its type; it never looks at a spec's type. What it keeps, and why:
 
-* **One pool for all groups**, so memory a sliding group gives back serves the full group's next
-  block. A block id belongs to one group's tables at a time. New blocks of one call are dealt
-  round-robin over the groups (two groups, three blocks each: group 0 [0, 2, 4], group 1
-  [1, 3, 5]).
+* **One pool for all groups**, so what a window gives back serves the full group's next block;
+  a block id is in one group's tables at a time; a call's new blocks are dealt round-robin over
+  the groups (two groups, three blocks each: group 0 [0, 2, 4], group 1 [1, 3, 5]).
 * **One hash chain per sequence**, serving every group; the cache key is ``(group, hash)``.
-* **Release as the window moves.** Let c be a sequence's committed positions (``num_computed``
-  minus pending drafts). A group releases the blocks its spec's ``released_below(c)`` puts behind
-  the next query, at the sequence's next call that schedules positions, *before* that call
-  allocates (so they can serve it); not at the end of the call that moved c, because the step
-  whose queries still read them has not run. A decode step makes every release of the batch
-  before it takes any block. Released entries read -1; a released full published block becomes
-  cached-free, revivable by a later hit.
-* **The hit rule.** A hit of h tokens needs, per group, the blocks its spec's ``hit_blocks(h)``
-  names; the search settles the longest h valid for every group, on either tier, by repeating
-  until it is stable (vLLM's hybrid coordinator does the same).
-* **Host tier.** Swaps move every group's private live blocks; with a host prefix cache an
-  evicted published block is offloaded under its ``(group, hash)`` and served back as a host hit.
-  A host block is kept reachable per group (see :meth:`HybridCoordinator._host_anchor`).
+* **Release as the window moves**: a group lets go of the blocks its spec puts behind the next
+  query (committed positions c = ``num_computed`` minus drafts) at the sequence's next call that
+  schedules positions, before that call allocates (not earlier: the step that still reads them
+  has not run). A decode step makes every release of the batch before it takes any block.
+* **The hit rule**: a hit of h tokens needs, per group, the blocks its spec's ``hit_blocks(h)``
+  names, on either tier; the search repeats until the length is stable (as vLLM's does).
 
 Worked example (block size 16, ``[FullAttention(), SlidingWindow(128)]``, a 1,000-token prompt
 admitted whole, then one decode token): the admission takes 63 blocks per group (the step's
@@ -225,14 +217,8 @@ class HybridCoordinator(Coordinator):
             self.tier.pin([hb for _, _, hb in loads])
             dst, new = self.cq.allocate(fresh, j, acquire)
             self.tier.load_hits([hb for _, _, hb in loads], dst, split.host)
-        elif self.cq.sources:
-            self.cq.check_room(fresh, 0, what, acquire)
-            new = self.cq.allocate(fresh, 0, acquire)[1]
         else:
-            try:
-                new = self.pool.allocate(fresh, acquire=acquire)
-            except OutOfBlocks as e:
-                raise OutOfBlocks(e.needed, e.available, what) from None
+            new = self.cq.fresh(fresh, "admitting", seq_id, acquire)
         tables = []
         for spec, row in zip(specs, rows):
             table = [-1] * k
@@ -295,25 +281,6 @@ class HybridCoordinator(Coordinator):
         s.nxt = s.table[-1] * bs + off
         s.end = s.nxt + end_c - c
 
-    def _needs(self, ss: Sequence[Seq]) -> tuple[int, int]:
-        """Fresh blocks and copies one token each for ``ss`` takes (the slow ones): a full last
-        block needs a block per group; ``k`` members sharing a partial block held ``r`` times
-        copy ``min(k, r - 1)`` times."""
-        bs, rc, ng = self.bs, self.pool.refcount, self.ng
-        fresh = 0
-        sharers: dict[int, int] = {}
-        for s in ss:
-            if s.nxt >= 0:
-                continue
-            if len(s.tokens) % bs:
-                for t in s.tables:
-                    b = t[-1]
-                    if rc(b) > 1:
-                        sharers[b] = sharers.get(b, 0) + 1
-            else:
-                fresh += ng
-        return fresh, sum(min(k, rc(b) - 1) for b, k in sharers.items())
-
     def step_room(self, ss: Sequence[Seq], what: str) -> None:
         """Before a decode step of ``ss``: OutOfBlocks (nothing changed) unless one token each
         fits, counting the blocks the due releases free; then every due release, before any
@@ -327,20 +294,6 @@ class HybridCoordinator(Coordinator):
             self.cq.check_room(fresh, copies, what, (), self._gain(dues) if dues else ())
         for s, d in dues:
             self._release(s, d)
-
-    def tokens_room(self, s: Seq, k: int, what: str) -> None:
-        """Before ``k`` tokens are appended to ``s``: capacity (counting what its due releases
-        free), then those releases."""
-        n, bs = len(s.tokens), self.bs
-        due = self._due(s)
-        fresh = sum(spec.new_blocks(n, n + k, bs) for spec in self.specs)
-        rc = self.pool.refcount
-        copies = sum(1 for t in s.tables if rc(t[-1]) > 1) if n % bs else 0
-        if fresh or copies or due:
-            self.cq.check_room(fresh, copies, what, (), self._gain(((s, due),)) if due else ())
-        if due:
-            self._release(s, due)
-        s.shared = s.shared or bool(copies)
 
     def grow(self, s: Seq) -> int:
         """The next token's slot (group 0's) when its group blocks need a decision, with no

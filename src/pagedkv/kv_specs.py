@@ -1,16 +1,14 @@
 """Attention specs: one class per attention type, holding every rule that belongs to that type.
 
-A hybrid model (gpt-oss, Gemma 3, Llama 4, Command R7B) mixes layers that attend to the whole
-context with layers that attend only to a window of it. A group of layers that share one spec
-needs the K/V of exactly the positions its next query reads; every block wholly below them can go
-back to the pool. Each spec here is a frozen value object with no per-sequence state, and it is
-the only place its type's rules live: which positions a query reads (:meth:`first_read`), which
-blocks may be released (:meth:`released_below`, :meth:`kept_blocks`), when the next release falls
-due (:meth:`next_release`), what a prefix hit needs (:meth:`hit_blocks`), how many blocks it
-holds between steps (:meth:`blocks_held`, :meth:`peak_blocks`), and its half of a table's
-invariant check (:meth:`check_table`). The allocator's coordinator, the sizing tables, the
-page-layout model and the routers all ask these questions of the spec and never look at its type.
-A new attention type is one new subclass. Imports only :mod:`pagedkv.checks`.
+A hybrid model mixes layers that attend to the whole context with layers that attend only to a
+window of it; a group of layers that share one spec needs the K/V of exactly the positions its
+next query reads. Each spec is a frozen value object with no per-sequence state and the only
+place its type's rules live: what a query reads (:meth:`first_read`, :meth:`read_ranges`), what
+may be released (:meth:`released_below`, :meth:`kept_blocks`) and when (:meth:`next_release`),
+what a prefix hit needs (:meth:`hit_blocks`), what a call adds (:meth:`new_blocks`), what a
+group holds (:meth:`blocks_held`, :meth:`peak_blocks`), and its table check. The coordinator,
+sizing, the page-layout model and the routers ask the spec and never look at its type: a new
+attention type is one new subclass. Imports only :mod:`pagedkv.checks`.
 
 Semantics are transformers' (``masking_utils``): a query at position q reads
 
@@ -19,10 +17,8 @@ Semantics are transformers' (``masking_utils``): a query at position q reads
   gpt-oss's W = 128 reads the token and the 127 before it);
 - ``ChunkedLocalAttention(chunk=C)``: positions floor(q/C)*C .. q (Llama 4's 8,192-token chunks).
 
-Worked example (block size 16, ``SlidingWindow(128)``, 1,000 positions computed): the next query
-is position 1,000 and reads 873 .. 1,000, so blocks 0 .. 53 (positions 0 .. 863) are wholly below
-the window and can be released; blocks 54 .. 62 (nine blocks, 144 slots) stay. A full-attention
-group holds all 63.
+Worked example (block size 16, ``SlidingWindow(128)``, 1,000 positions computed): position 1,000
+reads 873 .. 1,000, so blocks 0 .. 53 can be released and 54 .. 62 stay; full attention holds 63.
 """
 from __future__ import annotations
 

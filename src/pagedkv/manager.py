@@ -9,10 +9,8 @@ groups is one call into the coordinator chosen at construction (vLLM v1's shape)
 * :class:`~pagedkv.hybrid_coordinator.HybridCoordinator` for anything else: the one loop over
   groups, asking each group's spec (:mod:`pagedkv.kv_specs`) its type's rules.
 
-Both drive the same parts, each the owner of one structure: the pool (refcounts, free list,
-eviction, the key <-> block bijection), the prefix cache (publishing, events, twins, hit
-statistics), the copy queue (pending copies, and every allocation they constrain), the host
-tier (host blocks, transfers) and the hash memo. Nothing imports this module but the package.
+Both drive the same parts (pool, prefix cache, copy queue, host tier, hash memo), each the owner of
+one structure. Nothing imports this module but the package.
 
 The life of a decode step, with block size 16::
 
@@ -23,9 +21,8 @@ The life of a decode step, with block size 16::
     m.take_copies()                       #   [CopyOp(src=2, dst=3)]; child table [0, 1, 3]
     m.append_token("r1", 9)               # parent is block 2's last holder: writes in place
 
-Every public call validates its arguments before it changes anything, and every call that
-allocates checks capacity first, so a failure (``OutOfBlocks``, ``KeyError``, ``ValueError``)
-leaves the manager exactly as it was.
+Every public call validates before it changes anything and checks capacity before it allocates,
+so a failure leaves the manager exactly as it was.
 """
 from __future__ import annotations
 
@@ -57,7 +54,7 @@ HASH_MEMO_BLOCKS = 1 << 16
 
 
 class KVCacheManager:
-    """The block allocator of a paged KV cache.
+    """The block allocator of a paged KV cache (see the module docstring and docs/design.md).
 
     Args:
         num_blocks: physical blocks in the KV store (at most 2**31 - 1: block ids are int32).
@@ -65,47 +62,24 @@ class KVCacheManager:
         enable_prefix_caching: share full blocks by content hash and keep freed ones revivable.
         hash_algo: ``"sha256"`` (default, stable across processes), ``"xxh3"`` (fast, stable,
             needs xxhash), ``"builtin"`` (fastest, keyed per process).
-        enable_events: record KV cache events for ``take_events()``. An engine that never
-            drains them should turn this off, or they accumulate.
-        host_blocks: blocks of a host-memory tier (0: none). It keeps what the device evicts,
-            serves prefix hits from host memory and holds swapped-out sequences.
+        enable_events: record KV cache events for ``take_events()`` (turn off if nothing
+            drains them, or they accumulate).
+        host_blocks: blocks of a host-memory tier (0: none): it keeps what the device evicts,
+            serves prefix hits and holds swapped-out sequences.
         host_write_policy: when a device block is copied to the host: ``"write-back"`` (when
-            the device evicts it), ``"write-through"`` (once it is computed, and again when the
-            device evicts it if the host has dropped it since) or ``"none"`` (never: the host
-            takes only swapped-out sequences, and the published blocks a swap put there serve
-            prefix hits until the host needs the room).
+            the device evicts it), ``"write-through"`` (once computed, and again at eviction if
+            the host dropped it since) or ``"none"`` (only swaps use the host).
         groups: the attention groups of a hybrid model, one block table per group over the one
             pool (``FullAttention()``, ``SlidingWindow(window=W)``,
             ``ChunkedLocalAttention(chunk=C)``); None is ``[FullAttention()]``.
         window_eviction: how a finished sequence's released window blocks age in the LRU:
             ``"with_prefix"`` (re-aged with the rest of its prefix) or ``"on_release"``.
 
-    The engine's loop, and the rules it follows:
-
-    * **Admit** with ``add_sequence(id, prompt)`` (returns the prompt tokens served by the
-      prefix cache) and compute K/V for ``slots(id, hit)``; or admit one chunk at a time with
-      ``add_sequence(id, prompt, prefill=k)`` and ``prefill(id, n)`` (chunked prefill).
-      ``lookup(prompt)`` asks how much would hit, changing nothing.
-    * **Decode** with ``append_batch(ids, tokens)`` (one slot per sequence), then
-      ``take_copies()`` and run those block copies (all layers, as one batch) **before** the
-      step's K/V writes: a copy-on-write destination holds nothing until its source is copied.
-    * **Fork between steps**: ``fork`` after the step's K/V writes. Forking a sequence whose
-      newest token has no K/V yet shares (and may later copy) slots that were never written.
-    * **Speculate** with ``append_tokens(id, drafts, speculative=True)`` and settle with
-      ``accept(id, k)``: drafts are never published; rejected ones return their blocks.
-    * **Free** with ``free(id)``; ``free(id, cache=False)`` for a sequence dropped after it was
-      scheduled but before its K/V was computed.
-    * **Out of blocks**: every allocating call raises ``OutOfBlocks(needed, available)`` and
-      changes nothing; preempt and call again.
-
-    A block is published (findable by later prompts) only once every one of its positions has
-    been scheduled for compute, and never for a draft token. Errors: an unknown sequence id is
-    a ``KeyError``; a duplicate id, an empty prompt, an unhashable id, a bad token or any other
-    bad argument is a ``ValueError``, worded the same in every configuration. A failing call
-    changes nothing observable.
-
-    A manager is **not thread-safe**: one engine thread calls it. It pickles to an equal state
-    (``builtin`` hashes stay valid only within the process that computed them).
+    An engine admits (``add_sequence``, ``prefill``), decodes (``append_batch``), runs
+    ``take_transfers()`` then ``take_copies()`` before each step's K/V writes, forks and swaps
+    out after them, speculates (``append_tokens(..., speculative=True)``, ``accept``) and frees.
+    A failing call (``OutOfBlocks``, ``KeyError``, ``ValueError``, worded the same in every
+    configuration) changes nothing. Not thread-safe; pickles to an equal state.
     """
 
     def __init__(
@@ -331,16 +305,11 @@ class KVCacheManager:
 
     def lookup(self, prompt_ids: Sequence[int], cache_salt: Any = None, *, lora_name: str | None = None,
                mm_features: Sequence[tuple] | None = None) -> PrefixHit:
-        """How many prompt tokens ``add_sequence`` would serve from the cache now.
-
-        Side-effect free: no LRU order, statistics or events change. A scheduler asks this to
-        budget a step before it admits (vLLM's ``get_computed_blocks``). Returns a
-        :class:`~pagedkv.types.PrefixHit`: an int, with ``.device`` and ``.host`` telling how
-        many of the tokens are on the device and how many a host tier would load, and
-        ``.revived`` the device hit blocks that are cached-free now. Example (block size 16): a
-        40-token prompt whose first 32 tokens are cached -> 32. ``cache_salt``, ``lora_name``
-        and ``mm_features`` are the request's extra keys, as ``add_sequence`` takes them.
-        """
+        """How many prompt tokens ``add_sequence`` would serve from the cache now, changing
+        nothing (no LRU order, statistics or events). A :class:`~pagedkv.types.PrefixHit`: an
+        int, with ``.device``, ``.host`` (tokens a host tier would load) and ``.revived`` (device
+        hit blocks now cached-free). Example (block size 16): a 40-token prompt whose first 32
+        tokens are cached -> 32. Extra keys as ``add_sequence`` takes them."""
         tokens = token_array(prompt_ids)
         n = len(tokens)
         if n == 0:
@@ -357,24 +326,16 @@ class KVCacheManager:
         """Admit a sequence with its prompt; returns how many prompt tokens the cache served.
 
         The longest prefix hit valid for every group is shared (never the whole prompt: the
-        last token is always computed). ``prefill=None`` schedules the whole prompt: blocks for
-        every position are taken and its full blocks published at once. ``prefill=k`` schedules
-        only the first ``k`` uncached positions (clipped to the rest; 0 admits with the hit
-        blocks alone); ``prefill(id, n)`` schedules the next chunks. A block is published once
-        every one of its positions is scheduled.
-
-        ``reserve=True`` (reserve now, publish as computed) takes blocks for every prompt
-        position at admission but schedules, and so publishes, only the first ``k``; later
-        ``prefill`` calls allocate nothing and cannot raise OutOfBlocks (nano-vllm's form).
-        With groups that release it is refused: a window group would hold, from admission, the
-        blocks its window releases before they are read; admit such prompts chunk by chunk.
-
-        Example (block size 16, a 40-token prompt whose first 32 tokens are cached): returns 32;
-        the table is [hit, hit, new]. Keys beyond tokens (vLLM v1's block-hash extra keys):
-        ``lora_name`` (in every block's key), ``mm_features`` (``[(mm_hash, offset, length),
-        ...]``: in the key of each block the item's span touches), ``cache_salt`` (str or bytes;
-        in block 0's key, and through the chain in every later one).
-        """
+        last token is always computed). ``prefill=None`` schedules the whole prompt;
+        ``prefill=k`` only the first ``k`` uncached positions (0: the hit blocks alone), and
+        ``prefill(id, n)`` the next chunks. ``reserve=True`` takes blocks for every prompt
+        position now but publishes only what is scheduled (nano-vllm's form); groups that
+        release refuse it (a window would hold, from admission, blocks it releases unread).
+        Keys beyond tokens, so that equal ids standing for other K/V never share: ``lora_name``
+        (every block), ``mm_features`` (``[(mm_hash, offset, length), ...]``: the blocks each
+        span touches), ``cache_salt`` (block 0, and through the chain every later one).
+        Example (block size 16, a 40-token prompt whose first 32 tokens are cached): returns 32,
+        the table is [hit, hit, new]."""
         if known(self._seqs, seq_id):
             raise ValueError(f"sequence {seq_id!r} already exists")
         tokens = token_array(prompt_ids)
@@ -398,13 +359,8 @@ class KVCacheManager:
 
     def prefill(self, seq_id: Hashable, n: int) -> np.ndarray:
         """Schedule the next ``n`` prompt positions (a chunk); returns their slots (np.int64,
-        group 0's).
-
-        Releases what the groups' windows let go first (they may serve the chunk), takes the
-        blocks the chunk needs (atomic: OutOfBlocks changes nothing; none for a prompt admitted
-        with ``reserve=True``) and publishes each block the chunk completes. ``n`` may not
-        exceed the unscheduled rest of the prompt; ``n = 0`` returns an empty array.
-        """
+        group 0's). Releases due are made first (they may serve the chunk); atomic; ``n`` may
+        not exceed the unscheduled rest; ``n = 0`` returns an empty array."""
         s = self._seq(seq_id)
         n = int_at_least("n", n, 0)
         rest = s.unscheduled
@@ -509,13 +465,10 @@ class KVCacheManager:
         return out
 
     def accept(self, seq_id: Hashable, k: int) -> None:
-        """Settle the pending drafts: keep the first ``k`` as ordinary tokens, drop the rest.
-
-        Blocks the kept drafts complete are published now. Blocks that held only dropped drafts
-        return to the free list clean, tail first (block i of every group before block i - 1).
-        Example (block size 4, 6 tokens + 5 drafts in blocks [a, b, c]): ``accept(id, 1)`` keeps
-        7 tokens in [a, b]; c goes back clean.
-        """
+        """Keep the first ``k`` pending drafts as ordinary tokens (publishing the blocks they
+        complete) and drop the rest: blocks that held only dropped drafts go back clean, tail
+        first. Example (block size 4, 6 tokens + 5 drafts in [a, b, c]): ``accept(id, 1)``
+        keeps 7 tokens in [a, b]; c goes back clean."""
         s = self._seq(seq_id)
         k = int_at_least("k", k, 0)
         d = s.drafts
@@ -540,13 +493,10 @@ class KVCacheManager:
         self._coord.arm(s)
 
     def append_batch(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int]) -> np.ndarray:
-        """One decode step: append ``token_ids[i]`` to ``seq_ids[i]`` for every i, atomically.
-
-        ``seq_ids`` is a sequence (list, tuple, 1-D array), never a set or a dict: the pairing
-        with ``token_ids`` is by position. Returns group 0's slots as ``np.int64[len(seq_ids)]``.
-        Every release the batch makes due is made before any block is taken (the released
-        blocks may serve the step). Either every sequence got its token or none did.
-        """
+        """One decode step: append ``token_ids[i]`` to ``seq_ids[i]`` for every i, atomically;
+        returns group 0's slots as ``np.int64[len(seq_ids)]``. ``seq_ids`` is a sequence (never
+        a set or a dict: pairing is by position). Every release the batch makes due is made
+        before any block is taken (the released blocks may serve the step)."""
         seq_ids, toks, vals = batch_arguments(seq_ids, token_ids)
         n = len(toks)
         if n < 2:
@@ -593,34 +543,25 @@ class KVCacheManager:
         return self._cq.take()
 
     def take_transfers(self) -> list[Transfer]:
-        """Drain the block transfers between the device and the host tier (offloads, prefix hits
-        loaded from the host, swaps), each tagged with its group; run them before this step's
-        copies and K/V writes, every ``to_host`` entry before every ``to_device`` entry (each
-        direction is one batch). Always empty without a host tier. It also marks the step
-        boundary for ``swap_out``: the K/V of everything scheduled before it is written after."""
+        """Drain the block transfers between the device and the host tier (offloads, host hits,
+        swaps), each tagged with its group; run them before the step's copies and K/V writes,
+        every ``to_host`` before every ``to_device``. Always empty without a host tier. It
+        marks the step boundary for ``swap_out``."""
         if self._tier is None:
             return []
         self._busy.clear()
         return self._coord.take_transfers()
 
     def swap_out(self, seq_id: Hashable) -> None:
-        """Preempt a sequence by moving its private blocks to the host tier.
-
-        First the releases due are made (the windows' blocks the next query no longer reads get
-        no host block). Then every live entry of every group that no other sequence holds gets a
-        host block and a ``to_host`` transfer, its entry reads -1, and the device block is
-        released (a published one stays revivable on the device, and is published on the host
-        too). Shared entries stay on the device with the sequence's reference. Atomic:
-        OutOfBlocks (the host has too few free blocks) changes nothing. Until ``swap_in`` the
-        sequence cannot be appended to, forked or exported.
-
-        Its K/V must all exist, as for ``fork``: the ``to_host`` transfers run before the step's
-        writes. So a sequence given positions or blocks since the last ``take_transfers()``
-        (admitted, prefilled, appended to, copied on write, loaded from the host, or forked from
-        one that was) is refused with ValueError. Example (block size 4):
-        ``add_sequence("s", 9 tokens)`` then ``swap_out("s")`` is refused (3 blocks, nothing
-        computed); after ``take_transfers()`` and the step's writes it moves 3 blocks.
-        """
+        """Preempt a sequence: every live block of every group that no other sequence holds moves
+        to a host block (``to_host`` transfers; the device block is released, a published one
+        stays revivable); shared blocks stay on the device with its reference, and the releases
+        due are made first. Atomic (OutOfBlocks changes nothing). Until ``swap_in`` it cannot be
+        appended to, forked or exported. Its K/V must exist (the transfers run before the step's
+        writes), so a sequence given positions or blocks since the last ``take_transfers()`` is
+        refused: swap a victim out before scheduling it, or after the step. Example (block size
+        4): ``add_sequence("s", 9 tokens)`` then ``swap_out("s")`` is refused; after
+        ``take_transfers()`` and the step's writes it moves 3 blocks."""
         s = self._seq(seq_id)
         if self._tier is None:
             raise ValueError("swap_out needs a host tier (KVCacheManager(..., host_blocks=N))")
@@ -669,15 +610,12 @@ class KVCacheManager:
         """Release every block of the sequence, tail first (block i of every group before block
         i - 1, so its prefix is evicted last).
 
-        ``cache=False`` is for a sequence whose K/V was never (fully) written, such as a request
-        dropped after it was scheduled but before its step ran (vLLM's abort): the blocks after
-        its **written prefix** (its prefix hits, or for a fork the full blocks it shared at the
-        fork) that it alone holds lose their hashes and return clean, so no later prompt hits
-        content that was never computed. Example (block size 4): a 17-token prompt whose first
-        8 tokens hit, dropped unrun -> blocks 0 and 1 stay findable, blocks 2 and 3 are
-        unpublished, block 4 (partial) was never published. Either way, a block it alone holds
-        whose host-tier load is still pending loses its load and its device hash.
-        """
+        ``cache=False`` is for a sequence whose K/V was never (fully) written (vLLM's abort):
+        the blocks after its written prefix (its prefix hits; for a fork, the full blocks it
+        shared) that it alone holds are unpublished, so no prompt hits content never computed.
+        Example (block size 4): a 17-token prompt whose first 8 tokens hit, dropped unrun ->
+        blocks 0 and 1 stay findable, 2 and 3 are unpublished. Either way a block it alone holds
+        whose host load is still pending loses the load and its device hash."""
         cache = flag("cache", cache)
         s = self._seq(seq_id)
         del self._seqs[seq_id]
@@ -728,16 +666,11 @@ class KVCacheManager:
 
     def flashinfer_layout(self, seq_ids: Sequence[Hashable], group: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """FlashInfer's paged layout of group ``group``: ``(indptr, indices, last_page_len)``,
-        all ``np.int32``, over scheduled positions.
-
-        Example (page size 4, lengths 10, 4, 5; tables [0,1,2], [3], [4,5]): indptr [0, 3, 4, 6],
-        indices [0, 1, 2, 3, 4, 5], last_page_len [2, 4, 1]. A group that releases lists only
-        its live pages, a suffix of the sequence: pass the kernel ``window_left = W - 1`` (the
-        window counts the query itself); every dropped page lies wholly below the window and
-        the offsets within the suffix equal absolute ones (RoPE was applied before caching). A
-        chunked group needs the kernel's own chunk mask. Example (page size 4, window 8, 13
-        tokens: table [-1, 5, 7, 9]): indptr [0, 3], indices [5, 7, 9], last_page_len [1].
-        """
+        all ``np.int32``, over scheduled positions. Example (page size 4, lengths 10, 4, 5;
+        tables [0,1,2], [3], [4,5]): indptr [0, 3, 4, 6], indices [0, 1, 2, 3, 4, 5],
+        last_page_len [2, 4, 1]. A group that releases lists only its live pages: pass the
+        kernel ``window_left = W - 1`` (the window counts the query itself); every dropped page
+        lies wholly below the window. A chunked group needs the kernel's own chunk mask."""
         ss = self._on_device(seq_ids)
         g = self._group(group)
         ntok = np.fromiter((s.computed for s in ss), dtype=np.int32, count=len(ss))
@@ -746,11 +679,10 @@ class KVCacheManager:
     # ---- accounting --------------------------------------------------------------------------
 
     def usage(self, group: int | None = None) -> Usage:
-        """What the cache holds now, over scheduled positions (see :class:`~pagedkv.types.Usage`).
-        Without ``group``: block counts over every group, each sequence's positions counted
-        once in ``logical_tokens``, and ``stored_tokens`` a position once per group holding it
-        (two groups of layers, two token states). ``usage(group=g)``: group g's own figures
-        (``free_blocks`` stays the pool's: a free block serves any group)."""
+        """What the cache holds now, over scheduled positions (:class:`~pagedkv.types.Usage`):
+        block counts over every group, each sequence's positions once in ``logical_tokens``, a
+        position once per group holding it in ``stored_tokens``; ``usage(group=g)``: group g's
+        own figures (``free_blocks`` stays the pool's: a free block serves any group)."""
         g = None if group is None else self._group(group)
         fields = self._coord.usage(self._seqs.values(), g)
         cache, tier = self._cache, self._tier
@@ -764,16 +696,10 @@ class KVCacheManager:
         )
 
     def check_invariants(self) -> None:
-        """Raise AssertionError unless the pool, every group's tables and the caches agree.
-
-        Each part checks its own structure: the pool (free + cached-free + used = total, the
-        hash <-> block bijection); the sequences against the pool and the counters
-        (:func:`~pagedkv.invariants.check_sequences`: refcounts over every group, table lengths
-        and each group's spec's own check, reserved tails, partial blocks, the fast-path slots,
-        stored hashes against tokens and the pool's keys); the host tier (its refcounts against
-        the swapped-out sequences and pending transfers, kept content rehashed, reachability);
-        the pending copies (batch-safe).
-        """
+        """Raise AssertionError unless the pool, every group's tables and the caches agree: the
+        pool's own states; the sequences against the pool and the counters, each group's table
+        by its spec (:func:`~pagedkv.invariants.check_sequences`); the pending copies; the
+        prefix caches and the host tier (refcounts, kept content rehashed, reachability)."""
         self._pool.check_invariants()
         host_refs = check_sequences(self._seqs, self._coord, self._unready, self._swapped, self._busy)
         self._cq.check_invariants()

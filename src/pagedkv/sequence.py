@@ -20,30 +20,18 @@ __all__ = ["Seq"]
 class Seq:
     """One sequence's state.
 
-    ``tables`` holds one block table per attention group (a table entry reads -1 where a group
-    released the block or a prefix hit did not need it); ``table`` is group 0's, the same list
-    object as ``tables[0]``. ``low[g]`` is group g's first live entry past its kept blocks (0
-    for a group that never releases).
-
-    Tokens are an ``array('I')``: 4 bytes a token instead of a list's 8-byte pointer to a 28-byte
-    int; forking a 2,048-token sequence copies 8 KiB; a just-filled block's bytes for hashing are
-    one slice away. ``tokens`` holds every token the sequence knows (the whole prompt from
-    admission on, appended tokens, pending drafts); the first ``len(tokens) - unscheduled``
-    positions are scheduled for compute; the last ``drafts`` of them are speculative. ``hashes``
-    holds the chained hashes of every full block of the non-draft tokens (for a prompt
-    mid-prefill, also of blocks not yet scheduled: chunks publish them). ``keys``: the request's
-    extra keys (LoRA name, multimodal items, salt), None for a plain request.
-
-    The decode fast path: ``nxt`` is the slot the next token takes when that needs no decision
-    (every group's last block partial and private, no release due), -1 otherwise; ``end`` is
-    the slot at which that stops (the block's end, or the position at which a release falls
-    due). ``shared``: a fork may have shared the last blocks, so the next write checks
-    refcounts. ``written``: how many leading blocks held K/V computed before this sequence was
-    scheduled (its prefix hits; for a fork, the full blocks it shared with its parent):
-    ``free(id, cache=False)`` unpublishes only blocks after them. ``host``: while swapped out,
-    per group, table index -> the host block holding that entry; None on the device. ``mirror``:
-    group 0's table as int32 with spare capacity, which the kernel exports slice (built on the
-    first export, kept by a coordinator that appends through :meth:`add_block`).
+    ``tables``: one block table per group (-1 where a group released the block or a hit did not
+    need it); ``table`` is ``tables[0]``, the same list; ``low[g]``: group g's first live entry
+    past its kept blocks. ``tokens`` (``array('I')``, 4 bytes a token) holds every token the
+    sequence knows; the first ``len(tokens) - unscheduled`` positions are scheduled, the last
+    ``drafts`` of them speculative. ``hashes``: the chained hashes of the non-draft tokens' full
+    blocks; ``keys``: the request's extra keys (None for a plain request). The decode fast path:
+    ``nxt`` is the next token's slot when that needs no decision, -1 otherwise, valid up to the
+    slot ``end`` (the block's end, or where a release falls due); ``shared``: a fork may have
+    shared the last blocks. ``written``: leading blocks whose K/V was computed before this
+    sequence was scheduled (``free(cache=False)`` unpublishes only later ones). ``host``: while
+    swapped out, per group, index -> host block. ``mirror``: group 0's table as int32 for the
+    kernel exports, built on the first export.
     """
 
     __slots__ = ("table", "tables", "low", "tokens", "hashes", "keys", "mirror", "nxt", "end",
