@@ -34,6 +34,10 @@ from .types import AllBlocksCleared, BlockRemoved, BlockStored
 
 __all__ = ["EventLog"]
 
+# Builds an event from its ten fields without the named tuple's Python-level ``__new__`` (which
+# only does this): a decode step's take builds one BlockStored per filled block.
+_new = tuple.__new__
+
 
 class EventLog:
     """Pending KV cache events, oldest first, drained by :meth:`take`.
@@ -49,7 +53,8 @@ class EventLog:
     them or accumulate them).
     """
 
-    __slots__ = ("enabled", "_events", "_removed", "_removed_medium", "_removed_group", "_tags", "_keyed")
+    __slots__ = ("enabled", "_events", "_removed", "_removed_medium", "_removed_group", "_tags", "_keyed",
+                 "_plain")
 
     def __init__(self, enabled: bool = True, specs: Sequence = (FullAttention(),)) -> None:
         self.enabled = enabled
@@ -60,6 +65,7 @@ class EventLog:
         # per group: what its events carry (group_idx, kv_cache_spec_kind, sliding window)
         self._tags = tuple((g, s.kind, s.sliding_window) for g, s in enumerate(specs))
         self._keyed = not (len(specs) == 1 and type(specs[0]) is FullAttention)
+        self._plain = (None, None, *self._tags[0])  # a bare-hash event's last five fields
 
     def stored(self, hashes: tuple, parent: Hashable, tokens: Any, block_size: int, medium: str) -> None:
         """Blocks ``hashes`` (a chain from ``parent``) were published; ``tokens`` their tokens."""
@@ -107,11 +113,13 @@ class EventLog:
         """The event a queued publication becomes: ``(keys, parent, tokens, block_size, medium)``
         and, for blocks with extra keys, ``lora_name`` and ``extra_keys``; tagged with the
         group of its keys (group 0 for bare hashes)."""
-        keys, parent = e[0], e[1]
-        lora, extra = (e[5], e[6]) if len(e) > 5 else (None, None)
         if not self._keyed:
-            return BlockStored(keys, parent, tuple(e[2]), e[3], e[4], lora, extra, *self._tags[0])
-        return BlockStored(tuple(h for _, h in keys), parent[1], tuple(e[2]), e[3], e[4], lora, extra,
+            if len(e) == 5:
+                return _new(BlockStored, (e[0], e[1], tuple(e[2]), e[3], e[4], *self._plain))
+            return _new(BlockStored, (e[0], e[1], tuple(e[2]), *e[3:], *self._tags[0]))
+        keys = e[0]
+        lora, extra = (e[5], e[6]) if len(e) > 5 else (None, None)
+        return BlockStored(tuple(h for _, h in keys), e[1][1], tuple(e[2]), e[3], e[4], lora, extra,
                            *self._tags[keys[0][0]])
 
     def __len__(self) -> int:
