@@ -5,7 +5,7 @@ context with layers that attend only to a window of it. A group of layers that s
 needs the K/V of exactly the positions its next query reads; every block wholly below them can go
 back to the pool. This module is that rule and nothing else: three frozen value objects, with no
 state and no imports from the rest of pagedkv but :mod:`pagedkv.checks`, so the allocator, the
-sizing tables and the simulator all ask the same questions of them (contract v3, docs/design.md section 3.12).
+sizing tables and the simulator all ask the same questions of them (docs/design.md section 3.12).
 
 Semantics are transformers' (``masking_utils``): a query at position q reads
 
