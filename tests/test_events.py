@@ -10,11 +10,15 @@ wheel downloaded without dependencies (``pip download vllm==0.33.0 --no-deps``) 
 ``maybe_convert_block_hash`` (``vllm/v1/core/kv_cache_utils.py``, int hashes switched on, its
 default); Python-int hashes, which vLLM never has, through pagedkv's rule ``h & (2**64 - 1)``.
 The inputs are real pagedkv sha256 and xxh3-128 chained digests of tokens 1000..1063 (four
-16-token blocks, unsalted). Two cases (``decode_only``) hold what vLLM sends and pagedkv never
-does: ``lora_id``, ``group_idx``, ``session_id``, and raw-bytes hashes. Only the bytes and their
-inputs are committed, never vLLM's code or the script that loaded it.
+16-token blocks, unsalted). Every stored or removed event of the encoded cases is tagged as
+vLLM tags a one-group model's: its ``BlockPool`` sets ``group_idx=0`` on both kinds, and
+``KVCacheManager.take_events`` (``vllm/v1/core/kv_cache_manager.py``) adds
+``kv_cache_spec_kind="full_attention"`` and ``kv_cache_spec_sliding_window=None`` to each
+``BlockStored`` (a default, so left out of the bytes). Two cases (``decode_only``) hold what
+vLLM sends and pagedkv never does: ``lora_id``, ``session_id``, and raw-bytes hashes. Only the
+bytes and their inputs are committed, never vLLM's code or the script that loaded it.
 
-The two ``keyed_*`` cases (issue 17) hold blocks with extra keys: a LoRA request salted
+The two ``keyed_*`` cases hold blocks with extra keys: a LoRA request salted
 ``"tenant-a"`` with two images (a prompt run and a decode-filled block), and a salted prompt next
 to one whose image spans exactly block 1. Their hashes, tokens and LoRA names are a real pagedkv
 manager's; each block's ``extra_keys`` entry is what vLLM 0.33's own
@@ -64,6 +68,8 @@ LOCAL = "tcp://127.0.0.1:*"  # the OS picks a free port; the publisher reads it 
 STORED_KEYS = [
     "type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"
 ]
+GROUP_KEYS = ["group_idx", "kv_cache_spec_kind"]  # a one-group model's tags (no window: left out)
+TAG_FIELDS = ("group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
 
 
 class CPUStored(BlockStored):
@@ -100,10 +106,10 @@ def _event(spec):
             extra = tuple(None if e is None else tuple(tuple(k) if isinstance(k, list) else k for k in e)
                           for e in spec["extra_keys"])
             ev = ev._replace(lora_name=spec.get("lora_name"), extra_keys=extra)
-        return ev
+        return ev._replace(**{k: spec[k] for k in TAG_FIELDS if k in spec})
     if kind == "BlockRemoved":
         cls = {None: BlockRemoved, "CPU": CPURemoved, "GPU": GPURemoved}[spec.get("medium")]
-        return cls(tuple(_hash(h) for h in spec["block_hashes"]))
+        return cls(tuple(_hash(h) for h in spec["block_hashes"]))._replace(group_idx=spec.get("group_idx"))
     return AllBlocksCleared()
 
 
@@ -209,8 +215,10 @@ def test_batch_and_event_layout_as_vllm_decodes_it():
     raw = msgspec.msgpack.decode(_golden_bytes("mixed_xxh3_dp3"))
     ts, events, rank = raw
     assert (ts, rank) == (CASES["mixed_xxh3_dp3"]["timestamp"], 3)
-    assert [list(e) for e in events if e["type"] == "BlockStored"] == [STORED_KEYS] * 3
-    assert [list(e) for e in events if e["type"] == "BlockRemoved"] == [["type", "block_hashes", "medium"]] * 2
+    assert [list(e) for e in events if e["type"] == "BlockStored"] == [STORED_KEYS + GROUP_KEYS] * 3
+    assert [list(e) for e in events if e["type"] == "BlockRemoved"] == [["type", "block_hashes", "medium", "group_idx"]] * 2
+    assert {(e["group_idx"], e.get("kv_cache_spec_kind")) for e in events if "block_hashes" in e} == {
+        (0, "full_attention"), (0, None)}
     assert [e for e in events if e["type"] == "AllBlocksCleared"] == [{"type": "AllBlocksCleared"}]
     assert msgspec.msgpack.decode(_golden_bytes("empty_batch"))[2] is None
 
@@ -237,9 +245,9 @@ def test_first_block_of_a_prompt_goes_out_with_a_null_parent():
 
 
 def test_a_salted_prompts_first_block_has_a_nil_parent_on_the_wire():
-    """Issue 17: a salted prompt's first BlockStored named a salt-derived root that no event ever
-    announced, so a router that drops orphans (Dynamo) lost the whole prompt. Now it goes out
-    with a nil parent and the salt in its first block's extra keys, as vLLM 0.33 sends it."""
+    """A salted prompt's first BlockStored goes out with a nil parent and the salt in its first
+    block's extra keys, as vLLM 0.33 sends it: a salt-derived root would be a parent no event
+    ever announced, and a router that drops orphans (Dynamo) would lose the whole prompt."""
     m = KVCacheManager(num_blocks=16, block_size=4)
     m.add_sequence("s", list(range(100, 109)), cache_salt="tenant-a")
     _, [wire], _ = decode_vllm(encode_vllm(m.take_events(), 1.0))
@@ -307,7 +315,7 @@ def _vllm_decode(payload):
 
 
 def test_keyed_events_decode_with_vllms_structs_to_what_vllm_sends():
-    """Issue 17: a LoRA request with an image and a salt, prefilled, then decoding past a block,
+    """A LoRA request with an image and a salt, prefilled, then decoding past a block,
     then a host offload: each BlockStored decodes with vLLM's own structure to the fields vLLM
     0.33 sends for that request: nil parent for the first block, ``lora_name`` on every event,
     one ``extra_keys`` entry per block (the LoRA name; ``[mm_hash, offset]`` for each block the
@@ -331,7 +339,8 @@ def test_keyed_events_decode_with_vllms_structs_to_what_vllm_sends():
     assert [len(e.block_hashes) for e in gpu] == [4, 1]
     assert gpu[0].parent_block_hash is None and gpu[1].parent_block_hash == gpu[0].block_hashes[-1]
     assert [k for e in gpu for k in e.extra_keys] == want
-    assert {(e.lora_id, e.lora_name, e.block_size, e.group_idx) for e in stored} == {(None, "sql", 8, None)}
+    assert {(e.lora_id, e.lora_name, e.block_size, e.group_idx, e.kv_cache_spec_kind) for e in stored} == {
+        (None, "sql", 8, 0, "full_attention")}
     assert [e.token_ids for e in gpu] == [prompt, list(range(500, 508))]
     # the host republishes them, parents first, keys and all: one chained run
     assert [h for e in cpu for h in e.block_hashes] == [h for e in gpu for h in e.block_hashes]
@@ -350,7 +359,99 @@ def test_plain_events_leave_extra_keys_out_as_the_golden_bytes_do():
     [ev] = _vllm_decode(payload).events
     assert (ev.lora_name, ev.extra_keys, ev.parent_block_hash) == (None, None, None)
     [raw] = msgspec.msgpack.decode(payload)[1]
-    assert list(raw) == STORED_KEYS
+    assert list(raw) == STORED_KEYS + GROUP_KEYS
+
+
+def _wire_hash(h):
+    return None if h is None else hash_to_u64(h)
+
+
+def _vllm_struct(ev, group_idx=None, kind=None, window=None):
+    """``ev`` as vLLM 0.33 builds it (``BlockPool``: ``lora_id`` None, pagedkv having no adapter
+    ids; a prompt's root parent nil), tagged with the given group, spec kind and window the way
+    ``KVCacheManager.take_events`` annotates a ``BlockStored``."""
+    if isinstance(ev, AllBlocksCleared):
+        return VllmAllBlocksCleared()
+    hashes = [hash_to_u64(h) for h in ev.block_hashes]
+    if isinstance(ev, BlockRemoved):
+        return VllmBlockRemoved(hashes, ev.medium, group_idx=group_idx)
+    parent = None if ev.parent_block_hash in default_roots() else _wire_hash(ev.parent_block_hash)
+    extra = None if ev.extra_keys is None else list(ev.extra_keys)
+    return VllmBlockStored(hashes, parent, list(ev.token_ids), ev.block_size, None, ev.medium, ev.lora_name,
+                           extra_keys=extra, group_idx=group_idx, kv_cache_spec_kind=kind,
+                           kv_cache_spec_sliding_window=window)
+
+
+def _vllm_bytes(structs, ts, rank=None):
+    return msgspec.msgpack.Encoder().encode(VllmKVEventBatch(ts, structs, rank))
+
+
+@pytest.mark.parametrize("name", ENCODED_CASES)
+def test_vllms_structs_encode_to_the_golden_bytes(name):
+    """The structs above, filled from a case's inputs as vLLM fills them for a one-group model
+    (group 0, "full_attention", no window), encode to the bytes vLLM's own module gave."""
+    case = CASES[name]
+    structs = [_vllm_struct(ev, *(() if isinstance(ev, AllBlocksCleared) else (0, "full_attention", None)))
+               for ev in _golden_events(name)]
+    assert _vllm_bytes(structs, case["timestamp"], case["data_parallel_rank"]) == _golden_bytes(name)
+
+
+def test_a_plain_managers_events_are_vllms_one_group_events_on_the_wire():
+    """A plain manager with a host tier, prefilling, decoding, evicting and offloading: its bytes
+    are exactly vLLM's structs tagged group 0, "full_attention", no window, on both media."""
+    m = KVCacheManager(num_blocks=6, block_size=4, host_blocks=6)
+    m.add_sequence("a", list(range(100, 110)))
+    for t in range(4):
+        m.append_token("a", 200 + t)  # fills block 2 on the decode path
+    m.free("a")
+    m.add_sequence("b", list(range(300, 320)))  # evicts a's blocks: they go to the host
+    m.take_transfers()
+    m.free("b")
+    assert m.reset_prefix_cache()
+    events = m.take_events()
+    tags = (0, "full_attention", None)
+    want = _vllm_bytes([_vllm_struct(ev, *(() if isinstance(ev, AllBlocksCleared) else tags)) for ev in events], 7.0, 1)
+    payload = encode_vllm(events, 7.0, 1)
+    assert payload == want
+    decoded = _vllm_decode(payload).events
+    media = {(type(e).__name__, e.medium, e.group_idx) for e in decoded if not isinstance(e, VllmAllBlocksCleared)}
+    assert media == {("VllmBlockStored", "GPU", 0), ("VllmBlockRemoved", "GPU", 0), ("VllmBlockStored", "CPU", 0)}
+    assert {(e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in decoded
+            if isinstance(e, VllmBlockStored)} == {("full_attention", None)}
+    assert isinstance(decoded[-1], VllmAllBlocksCleared)
+
+
+def test_group_tags_cost_45_bytes_a_stored_event_and_11_a_removal():
+    """What docs/design.md section 2.7 states: "group_idx" 0 and "kv_cache_spec_kind"
+    "full_attention" on each BlockStored, "group_idx" 0 on each BlockRemoved, nothing else."""
+    stored = BlockStored((1, 2), None, tuple(range(8)), 4, "GPU", None, None, 0, "full_attention", None)
+    removed = BlockRemoved((1, 2), "GPU", 0)
+    size = [len(encode_vllm([ev], 1.0)) for ev in (stored, removed)]
+    bare = [len(encode_vllm([ev._replace(**{k: None for k in TAG_FIELDS if k in ev._fields})], 1.0))
+            for ev in (stored, removed)]
+    assert [a - b for a, b in zip(size, bare)] == [45, 11]
+
+def test_a_hybrid_managers_events_name_each_group_on_the_wire():
+    """A grouped manager tags each event with its own group: the sliding group's stored blocks
+    carry its window (8), which a one-group model's bytes leave out."""
+    from pagedkv import FullAttention, SlidingWindow
+
+    groups = (FullAttention(), SlidingWindow(8))
+    m = KVCacheManager(num_blocks=20, block_size=4, groups=list(groups))
+    m.add_sequence("a", list(range(100, 117)))
+    m.free("a")
+    m.add_sequence("b", list(range(300, 333)))  # evicts a's cached blocks
+    events = m.take_events()
+    structs = []
+    for ev in events:
+        spec = groups[ev.group_idx]
+        structs.append(_vllm_struct(ev, ev.group_idx, spec.kind, spec.sliding_window))
+    assert encode_vllm(events, 3.0) == _vllm_bytes(structs, 3.0)
+    assert {(type(e).__name__, e.group_idx) for e in events} == {
+        ("BlockStored", 0), ("BlockStored", 1), ("BlockRemoved", 0), ("BlockRemoved", 1)}
+    stored = [e for e in _vllm_decode(encode_vllm(events, 3.0)).events if isinstance(e, VllmBlockStored)]
+    assert {(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in stored} == {
+        (0, "full_attention", None), (1, "sliding_window", 8)}
 
 
 @pytest.mark.parametrize(
@@ -389,6 +490,7 @@ def _expected(spec):
         if "extra_keys" in spec:  # decoded: each entry a tuple, an (mm_hash, offset) pair a list
             extra = spec["extra_keys"]
             out["extra_keys"] = None if extra is None else [None if e is None else tuple(e) for e in extra]
+    out.update({k: spec[k] for k in TAG_FIELDS if k in spec})
     return out
 
 
@@ -397,6 +499,7 @@ def _as_dict(ev, spec):
     d.update({k: getattr(ev, k) for k in ev.__struct_fields__ if k in STORED_KEYS})
     if "extra_keys" in spec:
         d["extra_keys"] = ev.extra_keys
+    d.update({k: getattr(ev, k) for k in TAG_FIELDS if k in spec})
     return d
 
 
@@ -717,8 +820,8 @@ def test_offset_endpoint_as_vllms_publisher(endpoint, rank, expected):
 
 
 def test_publisher_binds_its_rank_offset_ports(tmp_path):
-    """Issue 17: KVEventPublisher ignored the rank for its ports; two ranks configured alike
-    collided on one port. Now rank r binds base + r, for the replay socket too."""
+    """Rank r binds base + r, for the replay socket too, so two ranks configured alike do not
+    collide on one port."""
     base = _free_port_pair()
     endpoint, replay = f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 2}"
     with KVEventPublisher(endpoint, replay, data_parallel_rank=0) as r0, \

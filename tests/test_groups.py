@@ -484,11 +484,12 @@ def test_copyop_and_transfer_stay_pairs_and_triples():
     assert t == ("to_host", 1, 2) and len(t) == 3 and t.group == 0 and t.direction == "to_host"
 
 
-def test_plain_manager_events_carry_no_group():
+def test_plain_manager_events_carry_group_zero():
+    """As vLLM tags a one-group model's events: group 0, full attention, no window."""
     m = KVCacheManager(num_blocks=8, block_size=4)
     m.add_sequence("a", list(range(9)))
     [e] = m.take_events()
-    assert (e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) == (None, None, None)
+    assert (e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) == (0, "full_attention", None)
 
 
 # ---- the fleet's precise router on hybrid replicas ---------------------------------------------

@@ -327,7 +327,7 @@ class Engine(base.Engine):
         toks, c = m.tokens(sid), m.num_computed(sid) - m.num_drafts(sid)
         for g, spec in enumerate(self.specs):
             table = m.block_table(sid, group=g)
-            for p in range(spec.first_read(c), c):
+            for p in (p for r in spec.read_ranges(c, bs) for p in r if p < c):
                 blk = table[p // bs]
                 assert blk >= 0 and self.store[g].get(blk * bs + p % bs) == self.ident(toks, p), (sid, g, p)
 
@@ -499,8 +499,9 @@ class SwapMachine(base.GroupsMachine):
             c = self.committed(sid)
             for g, spec in enumerate(m.groups):
                 table = m.block_table(sid, group=g)
-                assert all(b >= 0 for b in table[spec.first_read(c) // bs:]), (sid, g, table)
-                assert all(b == -1 for b in table[:spec.released_below(self.at_call[sid], bs)]), (sid, g, table)
+                assert all(table[p // bs] >= 0 for r in spec.read_ranges(c, bs) for p in r if p < c), (sid, g, table)
+                kept = spec.kept_blocks(bs)
+                assert all(b == -1 for b in table[kept:spec.released_below(self.at_call[sid], bs)]), (sid, g, table)
 
 
 TestSwaps = SwapMachine.TestCase

@@ -173,6 +173,30 @@ def test_bad_arguments_raise_and_change_nothing():
         KVStore(1, 0, 2, 1, 2)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_blocks=0), "num_blocks must be an int >= 1, got 0"),
+    (dict(head_dim=True), "head_dim must be an int >= 1, got True"),
+    (dict(num_groups=2.0), "num_groups must be an int >= 1, got 2.0"),
+    (dict(host_blocks=-1), "host_blocks must be an int >= 0, got -1"),
+])
+def test_bad_sizes_say_what_every_other_argument_check_says(kwargs, message):
+    args = dict(num_layers=1, num_blocks=4, block_size=2, num_kv_heads=1, head_dim=2) | kwargs
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        KVStore(**args)
+    with pytest.raises(ValueError, match="^num_layers must be an int >= 1, got 0$"):
+        kv_bytes_per_block(0, 16, 8, 128, "float16")
+    assert KVStore(1, np.int64(4), 2, 1, 2).num_blocks == 4  # numpy ints are ints
+
+
+@pytest.mark.parametrize("dtype", ["float32", np.float32, np.dtype("float32"), np.zeros(1, np.float32).dtype])
+def test_dtype_name_reads_every_spelling(dtype):
+    from pagedkv.store import dtype_name
+
+    assert dtype_name(dtype) == "float32"
+    with pytest.raises(ValueError, match="not a dtype"):
+        dtype_name(object())
+
+
 def test_pad_entries_past_the_length_are_never_read():
     store = KVStore(1, 4, 2, 1, 2)
     q = np.ones((1, 1, 2), dtype=np.float32)

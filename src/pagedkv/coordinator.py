@@ -349,7 +349,7 @@ class UnitaryCoordinator(Coordinator):
     def __init__(self, pool: BlockPool, cq: CopyQueue, hasher: BlockHasher, root: Hashable, block_size: int,
                  specs: tuple, caching: bool, events: bool, host_blocks: int, policy: str,
                  window_eviction: str) -> None:
-        log = EventLog(events and caching)
+        log = EventLog(events and caching, specs, keyed=False)
         tiered = host_blocks > 0
         cache = PrefixCache(pool, log, "GPU", keep_content=tiered, track_twins=True) if caching else None
         tier = (HostTier(host_blocks, block_size, log, policy, caching, device=cache, root=root)

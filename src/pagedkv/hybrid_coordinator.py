@@ -32,7 +32,7 @@ from .copy_queue import CopyQueue
 from .coordinator import Coordinator
 from .hashing import BlockHasher, filled_columns
 from .host_tier import HostTier
-from .pending_events import GroupEventLog
+from .pending_events import EventLog
 from .pool import BlockPool
 from .prefix_cache import PrefixCache
 from .sequence import Seq
@@ -49,7 +49,7 @@ class HybridCoordinator(Coordinator):
     def __init__(self, pool: BlockPool, cq: CopyQueue, hasher: BlockHasher, root: Hashable, block_size: int,
                  specs: tuple, caching: bool, events: bool, host_blocks: int, policy: str,
                  window_eviction: str) -> None:
-        log = GroupEventLog(events and caching, specs)
+        log = EventLog(events and caching, specs, keyed=True)
         hosted = bool(host_blocks) and caching and policy != "none"
         cache = PrefixCache(pool, log, "GPU", keep_content=hosted, track_twins=True) if caching else None
         if hosted:

@@ -35,7 +35,7 @@ import numpy as np
 
 from .checks import int_at_least, number_at_least
 from .kv_specs import AttentionSpec, ChunkedLocalAttention, FullAttention, SlidingWindow, check_groups
-from .store import KVStore
+from .store import KVStore, dtype_name
 
 __all__ = ["LlamaDims", "PagedLlama", "causal_attention"]
 
@@ -289,16 +289,6 @@ def _backend(name: str):
     raise ValueError(f"backend must be 'numpy' or 'torch', got {name!r}")
 
 
-def _dtype_name(dtype: Any) -> str:
-    """``"float32"`` from ``"float32"``, ``np.float32`` or ``torch.float32``."""
-    if isinstance(dtype, str) or _is_torch(dtype):
-        return str(dtype).removeprefix("torch.")
-    try:
-        return np.dtype(dtype).name
-    except TypeError as e:
-        raise ValueError(f"not a dtype: {dtype!r}") from e
-
-
 # ---- the reference attention, written independently of the store's kernel
 
 
@@ -350,7 +340,7 @@ class PagedLlama:
             backend = "torch" if any(_is_torch(v) for v in state_dict.values()) else "numpy"
         self._xp = _backend(backend)
         self.backend = self._xp.name
-        self.dtype = _dtype_name(dtype)
+        self.dtype = dtype_name(dtype)
         if self.dtype not in self._xp.dtypes:
             raise ValueError(f"the {self.backend} backend runs {list(self._xp.dtypes)}, not {self.dtype!r}")
         self.w = self._load(state_dict)

@@ -28,6 +28,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from .checks import int_at_least
 from .kv_specs import AttentionSpec
 from .types import TO_DEVICE, TO_HOST
 
@@ -54,15 +55,10 @@ def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head
     """
     for name, v in (("num_layers", num_layers), ("block_size", block_size),
                     ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        _check_positive_int(name, v)
+        int_at_least(name, v, 1)
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     return 2 * num_layers * block_size * num_kv_heads * head_dim * _DTYPES[dtype]
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 # ---- backend shims: the handful of array operations whose spelling differs between numpy and torch.
@@ -224,8 +220,8 @@ class KVStore:
     attends straight through block tables. Example: ``KVStore(2, 64, 16, 2, 16)`` holds 64 blocks of
     16 tokens for 2 layers of 2 KV heads × 16 dims; ``nbytes`` is ``2*2*64*16*2*16*4 = 524,288``.
 
-    ``num_groups`` is how many KV cache groups' tables point into it (a hybrid model's, contract
-    v3): every block id holds every layer, and a layer reads only the blocks of its own group's
+    ``num_groups`` is how many KV cache groups' tables point into it (a hybrid model's): every
+    block id holds every layer, and a layer reads only the blocks of its own group's
     table, so one store serves every group and a ``CopyOp(src, dst, group)`` copies the whole block.
 
     ``host_blocks=N`` adds a host pool of ``N`` blocks (``host_kv``, same layout) and
@@ -240,7 +236,7 @@ class KVStore:
         for name, v in (("num_layers", num_layers), ("num_blocks", num_blocks), ("num_groups", num_groups),
                         ("block_size", block_size), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim)):
-            _check_positive_int(name, v)
+            int_at_least(name, v, 1)
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if backend not in ("numpy", "torch"):
@@ -249,8 +245,7 @@ class KVStore:
             raise ValueError("numpy has no bfloat16; use backend='torch' or another dtype")
         if backend == "numpy" and device != "cpu":
             raise ValueError(f"the numpy backend lives on the cpu, got device={device!r}")
-        if isinstance(host_blocks, bool) or not isinstance(host_blocks, (int, np.integer)) or host_blocks < 0:
-            raise ValueError(f"host_blocks must be an int >= 0, got {host_blocks!r}")
+        int_at_least("host_blocks", host_blocks, 0)
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         # KV cache groups whose tables point into this store (a hybrid model's; copy ops name them)
         self.num_groups = int(num_groups)
@@ -643,7 +638,7 @@ def dense_attention(q: Any, k: Any, v: Any, seq_lens: Any, query_lens: Any = Non
     heads, qmax = int(q.shape[1]), int(qlens.max())
     group = heads // kv_heads
     # queries padded per sequence, grouped under their KV head: [batch, kv_heads, group * qmax, dim]
-    qp = ops.zeros((batch, qmax, heads, dim), _dtype_name(q))
+    qp = ops.zeros((batch, qmax, heads, dim), dtype_name(q.dtype))
     qp[ops.index(seq), ops.index(row)] = q
     qp = ops.permute(qp.reshape(batch, qmax, kv_heads, group, dim), (0, 2, 3, 1, 4))
     qp = qp.reshape(batch, kv_heads, group * qmax, dim)
@@ -684,5 +679,13 @@ def _check_attention_shapes(q, k, v, seq_lens, offsets=None) -> np.ndarray:
     return lens
 
 
-def _dtype_name(x) -> str:
-    return str(x.dtype).replace("torch.", "")
+def dtype_name(dtype: Any) -> str:
+    """A dtype's name, whichever library spells it: ``"float32"`` from ``"float32"``,
+    ``np.float32``, ``np.dtype("float32")`` or ``torch.float32`` (an array's: ``x.dtype``).
+    ValueError for what is not a dtype."""
+    if isinstance(dtype, str) or type(dtype).__module__.startswith("torch"):
+        return str(dtype).removeprefix("torch.")
+    try:
+        return np.dtype(dtype).name
+    except TypeError as e:
+        raise ValueError(f"not a dtype: {dtype!r}") from e

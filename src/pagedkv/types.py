@@ -44,9 +44,9 @@ class OutOfBlocks(RuntimeError):
 
 class _Tagged(tuple):
     """A named tuple of its positional fields, tagged with an attention ``group`` kept beside
-    the tuple, not in it (contract v3): ``CopyOp(3, 5)`` is still the pair ``(3, 5)``, so
-    ``src, dst = op``, ``np.asarray(copies)`` (an ``[n, 2]`` array) and ``op == (3, 5)`` work
-    as before groups existed, while ``op.group`` names the group whose layers the block holds.
+    the tuple, not in it: ``CopyOp(3, 5)`` is still the pair ``(3, 5)``, so ``src, dst = op``,
+    ``np.asarray(copies)`` (an ``[n, 2]`` array) and ``op == (3, 5)`` work whatever the group,
+    while ``op.group`` names the group whose layers the block holds.
     Two tagged tuples are equal when their fields and groups are; a plain tuple compares with
     the fields alone. Example: ``CopyOp(3, 5, group=1) != CopyOp(3, 5)``, ``CopyOp(3, 5) ==
     (3, 5)``, ``CopyOp(3, 5, group=1) == (3, 5)``."""
@@ -121,9 +121,9 @@ class Transfer(_Tagged):
     """One block the engine must move between the device and the host tier, before the step's
     KV writes: ``direction`` is ``"to_host"`` (``src`` a device block id, ``dst`` a host block
     id) or ``"to_device"`` (``src`` a host block, ``dst`` a device block). All layers' keys and
-    values of the block move. ``group`` (contract v3) names the attention group whose layers
-    the block holds (a grouped manager's swaps tag each block with its group); it is kept
-    beside the triple, as ``CopyOp``'s, so a transfer is still ``(direction, src, dst)``.
+    values of the block move. ``group`` names the attention group whose layers the block holds
+    (a grouped manager's swaps tag each block with its group); it is kept beside the triple,
+    as ``CopyOp``'s, so a transfer is still ``(direction, src, dst)``.
 
     ``take_transfers`` lists every ``to_host`` entry before every ``to_device`` entry. Each
     direction is one batch (no block is a destination twice, no destination is another entry's
@@ -284,8 +284,9 @@ class BlockStored(NamedTuple):
     medium: str = "GPU"  # where the blocks now live: "GPU" (the device) or "CPU" (the host tier)
     lora_name: str | None = None
     extra_keys: tuple | None = None
-    # A grouped manager's (contract v3): the group, its spec's kind ("full_attention",
-    # "sliding_window", "chunked_local_attention") and its window (None unless sliding).
+    # The attention group the blocks belong to (0 for a uniform model), its spec's kind
+    # ("full_attention", "sliding_window", "chunked_local_attention") and its window (None
+    # unless sliding), as vLLM tags every stored block. None: an event from no manager.
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
@@ -301,7 +302,7 @@ class BlockRemoved(NamedTuple):
 
     block_hashes: tuple
     medium: str = "GPU"
-    group_idx: int | None = None  # the group the blocks belonged to (a grouped manager)
+    group_idx: int | None = None  # the group the blocks belonged to (0 for a uniform model)
 
 
 class AllBlocksCleared(NamedTuple):

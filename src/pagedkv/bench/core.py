@@ -209,7 +209,7 @@ def _bench_fork_free(quick: bool) -> list[dict]:
 
 
 # --------------------------------------------------------------------------------------------
-# contract v2: chunked prefill, speculative decoding, lookup (issue 8)
+# chunked prefill, speculative decoding, lookup
 
 
 def _bench_prefill_chunk(quick: bool) -> dict:
@@ -619,7 +619,7 @@ def _bench_calibration(quick: bool) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-# hybrid models (contract v3): a two-group manager beside the one-group one, in the same run
+# hybrid models: a two-group manager beside the one-group one, in the same run
 
 GPT_OSS_GROUPS = (FullAttention(), SlidingWindow(window=128))  # gpt-oss's pattern
 
@@ -673,13 +673,13 @@ def _bench_groups(quick: bool) -> list[dict]:
         _row("append_batch, 256 seqs, one group", one.median_us, "µs", 50.0, one.spread()),
         _row("append_batch, 256 seqs, [Full, Sliding(128)]", two.median_us, "µs", None, two.spread()),
         _row("two groups / one group, decode step", two.median_us / one.median_us, "ratio", 2.0,
-             "issue 19 target <= 2; same sequences and tokens, timed in alternation"),
+             "design target <= 2; same sequences and tokens, timed in alternation"),
         _row("admission, 1,000-token prompt, one group", aone.median_us, "µs", None,
              f"nothing cached; {aone.spread()}"),
         _row("admission, 1,000-token prompt, [Full, Sliding(128)]", atwo.median_us, "µs", None,
              f"63 blocks a group; {atwo.spread()}"),
         _row("two groups / one group, admission", atwo.median_us / aone.median_us, "ratio", 2.0,
-             "issue 19 target <= 2; one sha256 chain serves both groups"),
+             "design target <= 2; one sha256 chain serves both groups"),
     ]
 
 

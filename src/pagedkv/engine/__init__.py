@@ -28,7 +28,7 @@ numpy or its torch backend; logits may be a numpy array or a CPU tensor). ``forw
 several new tokens per sequence (``query_lens``): a prefill chunk or a run of draft tokens is the
 same call as a decode step. This module itself needs only numpy.
 
-**The modern loop** (contract v2): ``Engine(model, manager, token_budget=64)`` schedules every step
+**The modern loop**: ``Engine(model, manager, token_budget=64)`` schedules every step
 like a serving engine. Requests arrive over time (``add_request`` between ``step`` calls, or
 ``generate(..., arrivals=[...])``); each ``step()`` spends at most ``token_budget`` query tokens,
 first on running sequences (one token each, plus drafts), then on the next chunks of prompts
@@ -61,9 +61,9 @@ memory, with their K/V) instead of freeing it to recompute; the swapped sequence
 (``swap_in``, first out first in) at the start of a step with room for them, before any new
 request is admitted, and decode on in that same step. A request mid-prefill (the manager cannot
 swap a partly scheduled prompt), or one whose blocks do not fit in the host's free blocks, is
-recomputed as before. ``run_transfers=False`` is the host tier's negative control: the engine
-drains the transfers but never runs them, so a block loaded from the host or swapped back in
-holds whatever the device block held before, and the logits diverge.
+preempted by recomputation instead. ``run_transfers=False`` is the host tier's negative control:
+the engine drains the transfers but never runs them, so a block loaded from the host or swapped
+back in holds whatever the device block held before, and the logits diverge.
 
 **The package.** It is the decoder proof's loop, apart from the allocator it drives: it may import
 numpy, :mod:`pagedkv.checks` and :mod:`pagedkv.types`, and reaches the manager, the store, the

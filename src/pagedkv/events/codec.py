@@ -23,9 +23,12 @@ encoder in the tests:
   untagged, as vLLM 0.33's ``to_event_extra_keys`` publishes them; ``lora_name`` is the adapter
   (``lora_id``, which vLLM keeps only for old consumers, stays nil: pagedkv has no adapter ids).
   A request without extra keys leaves ``extra_keys`` out, where vLLM 0.33 sends an array of nils:
-  both mean "no block has extra keys" to a consumer, and every such event stays byte for byte
-  what the golden cases hold. ``BlockRemoved`` carries ``block_hashes`` and ``medium``;
-  ``AllBlocksCleared`` nothing;
+  both mean "no block has extra keys" to a consumer. Last come the event's group tags, as vLLM
+  0.33 tags every event: ``group_idx``, ``kv_cache_spec_kind`` and
+  ``kv_cache_spec_sliding_window`` (a manager's events say group 0, ``"full_attention"``, no
+  window for a uniform model; the window, nil, is left out of the bytes as vLLM leaves out every
+  unset optional field). ``BlockRemoved`` carries ``block_hashes``, ``medium`` and
+  ``group_idx``; ``AllBlocksCleared`` nothing;
 * block hashes are unsigned 64-bit integers.
 
 Hashes to u64 (:func:`hash_to_u64`): a bytes digest (sha256's 32 bytes, xxh3-128's 16) maps the
@@ -54,16 +57,19 @@ Worked example (sha256, block size 16)::
     >>> [ev] = m.take_events()                                # one BlockStored for both blocks
     >>> payload = encode_vllm([ev], timestamp=1700000000.0)
     >>> len(payload)
-    235
+    280
     >>> ts, [wire], dp = decode_vllm(payload)
     >>> wire.block_hashes == [hash_to_u64(h) for h in ev.block_hashes]
     True
     >>> wire.parent_block_hash is None, len(wire.token_ids), wire.medium   # a prompt's first block
     (True, 32, 'GPU')
+    >>> wire.group_idx, wire.kv_cache_spec_kind, wire.kv_cache_spec_sliding_window
+    (0, 'full_attention', None)
 
-Of those 235 bytes, the 32 token ids take 96 (3 bytes each, msgpack's uint16 form), the two
-hashes 18, the field names and the ``"GPU"`` string 98 (vLLM's map encoding repeats them in
-every event), the float64 timestamp and the headers 23.
+Of those 280 bytes, the 32 token ids take 96 (3 bytes each, msgpack's uint16 form), the two
+hashes 18, the field names and the strings ``"BlockStored"``, ``"GPU"`` and
+``"full_attention"`` 142 (vLLM's map encoding repeats them in every event), the group index 1,
+the float64 timestamp and the headers 23.
 
 
 The sockets that carry these bytes are :mod:`pagedkv.events.transport`. msgspec is the optional

@@ -288,9 +288,9 @@ def _versus(metric: str, p: dict, base: dict, name: str) -> str:
 
 
 def _published_table(rows: dict, sec: Section) -> Table:
-    """Each source's figure next to ours on its metric: the precise router against the ring (what
-    issue 11 asks), and, for a source whose own baseline is round-robin, one more row against
-    round-robin, labelled as such."""
+    """Each source's figure next to ours on its metric: the precise router against the ring (the
+    comparison this section makes), and, for a source whose own baseline is round-robin, one more
+    row against round-robin, labelled as such."""
     t = Table("Published figures (theirs, each from its source) next to the precise router against the ring "
               "here (ours)",
               ["who", "source", "their setup", "their comparison", "theirs", "ours (the routers table's slice)"])

@@ -1,9 +1,9 @@
 """Report section: hybrid models, what grouping their layers by attention type saves, and how a pool holds the groups.
 
-Owns the "hybrid models" section of ``pagedkv report`` (issue 19, item 7's first part and item 3).
-Reads model configs through :mod:`pagedkv.sim.sizing` and replays trace lengths through
-:mod:`pagedkv.sim.page_layout`; the runs on the real grouped manager (a serving run, and the hit
-rule's cost on Mooncake: items 2 and 7) are :func:`grouped_runs`'.
+Owns the "hybrid models" section of ``pagedkv report``: the memory each model saves grouped,
+and how a pool holds the groups. Reads model configs through :mod:`pagedkv.sim.sizing` and replays
+trace lengths through :mod:`pagedkv.sim.page_layout`; the runs on the real grouped manager (a
+serving run, and the hit rule's cost on Mooncake) are :func:`grouped_runs`'.
 
 gpt-oss, Gemma 3, Command R7B and Llama 4 Scout give most of their layers a sliding window or a
 local chunk. A uniform allocator keeps every layer's K/V for the whole context; grouped, each
@@ -171,7 +171,7 @@ def _verdict(model: str, rows: dict) -> str:
 
 
 def grouped_runs(opts: ReportOptions) -> tuple[list[Table], dict, list[str]]:
-    """Issue 19's runs on the real grouped manager (items 2 and 7): gpt-oss-20b served on a real
+    """The section's runs on the real grouped manager: gpt-oss-20b served on a real
     trace, uniform against grouped (concurrency, throughput, preemptions:
     :mod:`.hybrid_serving`), and the hit rate under the hybrid rule against full attention at the
     same memory, with the reuse cliff and the eviction order that removes it

@@ -1,4 +1,4 @@
-"""Report tables: the hybrid prefix-hit rule's cost on the Mooncake trace (issue 19, item 2).
+"""Report tables: the hybrid prefix-hit rule's cost on the Mooncake trace.
 
 Replays the first requests of the Mooncake conversation trace through the real manager at a few
 memory budgets, for gpt-oss-20b and Gemma 3 27B: a uniform cache (every layer keeps every block:

@@ -1,6 +1,6 @@
 """Report tables: gpt-oss-20b served on the Mooncake trace, its KV held uniformly against grouped.
 
-Owns the serving run of issue 19's item 7 (called from :func:`pagedkv.report.hybrid.grouped_runs`).
+Owns the hybrid section's serving run (called from :func:`pagedkv.report.hybrid.grouped_runs`).
 Imports the simulator (scheduler, cost model, sizing, :mod:`pagedkv.sim.hybrid_serving`) and the
 report's tables; knows nothing of the other sections.
 

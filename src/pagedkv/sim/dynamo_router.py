@@ -258,10 +258,11 @@ class DynamoRouter(PrefixAwareRouter):
         tokens = self._sentinel_tokens(k)
         h = (1 << 63) | k
         for r in self._dirty:
-            evs = [BlockStored((h,), None, tuple(tokens), self.block_size)]
+            # tagged as a uniform replica tags its own events (group 0, full attention)
+            evs = [BlockStored((h,), None, tuple(tokens), self.block_size, "GPU", None, None, 0, "full_attention")]
             old = self._sentinel.get(r)
             if old is not None:
-                evs.insert(0, BlockRemoved((old,)))
+                evs.insert(0, BlockRemoved((old,), "GPU", 0))
             self.publishers[r].publish(evs)
             self._sentinel[r] = h
         return tokens

@@ -26,7 +26,7 @@ DEFAULT_WATERMARK = 0.05  # what Guards.all_on() keeps free: the top of vLLM PR 
 class Guards:
     """The switches against the ways a scheduler goes wrong when memory runs out.
 
-    Defaults follow vLLM v1, so ``simulate()`` without ``guards`` behaves as before:
+    Defaults follow vLLM v1 (every guard on), which is what ``simulate()`` runs without ``guards``:
 
     ``newest_first`` (on; vLLM v0 and v1 preempt the most recently admitted request): the oldest
         running request is never a victim, so it always progresses. Off: the oldest is preempted

@@ -2,17 +2,17 @@
 holding the same bytes.
 
 A hybrid model's prefix hit of h tokens needs, in every sliding-window group, the blocks covering
-the window that computing position h reads (contract v3). A sliding group releases those blocks as
-its window moves on, and a released block is only cached-free: the first to be evicted, being the
-least recently freed. So a cached prefix whose full-attention blocks all survive can still hit
-nothing past the last point where a whole window survives too: the "reuse cliff" vLLM users
-report (vLLM #48435). Against that, the grouped cache holds far fewer blocks per running
+the window that computing position h reads (docs/design.md 3.12). A sliding group releases those
+blocks as its window moves on, and a released block is only cached-free: the first to be evicted,
+being the least recently freed. So a cached prefix whose full-attention blocks all survive can
+still hit nothing past the last point where a whole window survives too: the "reuse cliff" vLLM
+users report (vLLM #48435). Against that, the grouped cache holds far fewer blocks per running
 sequence, so the same bytes keep more history.
 
 This module replays a trace's requests through the real manager, twice at each memory budget:
 
-- **uniform**: ``KVCacheManager`` without groups, every layer keeping every block (what pagedkv
-  did before contract v3, and what a model with only full attention does): pages of all layers;
+- **uniform**: ``KVCacheManager`` without groups, every layer keeping every block (what a model
+  with only full attention does, and a hybrid one served without groups): pages of all layers;
 - **grouped**: ``KVCacheManager(groups=...)`` with vLLM's equal-page groups
   (:func:`pagedkv.sim.sizing.equal_page_groups`), pages of one group's layers, so the same bytes
   make more, smaller blocks (gpt-oss-20b: 2x; Gemma 3 27B, 62 layers in groups of 10: 6.2x);

@@ -1,6 +1,6 @@
 """Page layouts for hybrid models: how one GPU's KV memory holds groups whose pages differ in bytes.
 
-Owns: the arithmetic of three ways to hold a hybrid model's attention groups (issue 19, item 3)
+Owns: the arithmetic of three ways to hold a hybrid model's attention groups
 and a modelled replay of a trace's lengths through each. Imports :mod:`pagedkv.kv_specs` and
 :mod:`pagedkv.sim.sizing` only; knows nothing of the manager, the scheduler or the report.
 

@@ -339,7 +339,7 @@ class PrefixAwareRouter(Router):
     ``stats``: ``guard`` (the load guard chose), ``affinity`` (the longest match chose),
     ``below_threshold`` (the longest match covered at most ``cache_threshold``: least loaded).
 
-    Hybrid replicas (contract v3) send every group's events with ``group_idx``: the index keys on
+    Every replica tags its events with ``group_idx`` (0 for a uniform one): the index keys on
     (group, hash), so a block a sliding-window group released does not hide the same hash held by
     the full-attention group. ``groups`` (the replicas' attention specs) makes a match the
     manager's hit rule: the longest prefix for which every group holds the blocks its spec needs
@@ -483,7 +483,7 @@ class PrefixAwareRouter(Router):
         return match
 
     def _match_hybrid(self, tokens: np.ndarray) -> list[int]:
-        """``match_blocks`` under the hit rule of contract v3: per replica the longest k (in
+        """``match_blocks`` under the hybrid hit rule: per replica the longest k (in
         blocks) such that every group holds, under its index, the blocks ``hit_blocks(k *
         block_size)`` names (a window only its last ones), as the grouped manager's ``lookup``."""
         from ..events import hash_to_u64
