@@ -76,10 +76,14 @@ class KVCacheManager:
             ``"with_prefix"`` (re-aged with the rest of its prefix) or ``"on_release"``.
 
     An engine admits (``add_sequence``, ``prefill``), decodes (``append_batch``), runs
-    ``take_transfers()`` then ``take_copies()`` before each step's K/V writes, forks and swaps
-    out after them, speculates (``append_tokens(..., speculative=True)``, ``accept``) and frees.
-    A failing call (``OutOfBlocks``, ``KeyError``, ``ValueError``, worded the same in every
-    configuration) changes nothing. Not thread-safe; pickles to an equal state.
+    ``take_transfers()`` then ``take_copies()`` before each step's K/V writes, and speculates
+    (``append_tokens(..., speculative=True)``, ``accept``). **Fork between steps**, after the
+    step's K/V writes (a token without K/V would be shared unwritten); swap out likewise. Free
+    with ``free(id)``, or ``free(id, cache=False)`` for a sequence dropped before its step ran.
+    Every allocating call raises ``OutOfBlocks(needed, available)`` and changes nothing when it
+    does not fit; every other bad call raises ``KeyError`` or ``ValueError``, worded the same in
+    every configuration. A manager is not thread-safe (one engine thread calls it); it pickles
+    to an equal state (``builtin`` hashes: within the process that computed them only).
     """
 
     def __init__(
