@@ -312,7 +312,9 @@ class HybridCoordinator(Coordinator):
     def step_room(self, ss: Sequence[Seq], what: str) -> None:
         """Before a decode step of ``ss``: OutOfBlocks (nothing changed) unless one token each
         fits, counting the blocks the due releases free; then every due release, before any
-        block is taken (they may serve the step)."""
+        block is taken, so that they serve the step rather than an eviction of a cached block.
+        (The facade skips this pass when clean blocks cover the step: then no allocation
+        evicts, and the slow path makes each release in turn.)"""
         slow = [s for s in ss if s.nxt < 0]
         if not slow:
             return
@@ -367,16 +369,27 @@ class HybridCoordinator(Coordinator):
         end_c = c - c % bs + bs
         low = s.low
         for g, spec in self.local:
-            r = spec.released_below(c, bs)
-            if r > low[g]:
-                self._release(s, ((g, low[g], r),))
-            nr = spec.next_release(c, bs, end_c)
+            r, nr = spec.release_step(c, bs, end_c)
+            lo = low[g]
+            if r > lo:
+                t = s.tables[g]
+                if r == lo + 1 and t[lo] >= 0 and not self.cq.sources and not self.tier and not (
+                        self.cache is not None and self.cache.has_twins):
+                    b = t[lo]  # one block leaves the window: the common case, inlined
+                    t[lo] = -1
+                    low[g] = r
+                    self.pool.release_all((b,))
+                else:
+                    self._release(s, ((g, lo, r),))
             if nr < end_c:
                 end_c = nr if nr > c else c + 1
+        states = self.states
+        if states is not None:
+            states.release(s, c)
         slot = self.grow(s)
-        if self.states is not None:
-            self.states.schedule(s, c, c + 1)
-            end_c = min(end_c, self.states.fast_path_end(c + 1))
+        if states is not None:
+            states.schedule(s, c, c + 1)
+            end_c = min(end_c, states.fast_path_end(c + 1))
         s.end = slot + end_c - c
         return slot
 

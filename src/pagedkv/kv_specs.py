@@ -96,6 +96,11 @@ class AttentionSpec:
         return next((x for x in range(computed + 1, limit)
                      if self.released_below(x, block_size) > r), limit)
 
+    def release_step(self, computed: int, block_size: int, limit: int) -> tuple[int, int]:
+        """``(released_below(computed), next_release(computed, limit))`` in one call: what the
+        decode slow path asks, twice a block per sequence under a window."""
+        return self.released_below(computed, block_size), self.next_release(computed, block_size, limit)
+
     def blocks_held(self, computed: int, block_size: int) -> int:
         """Blocks the group holds between steps once ``computed`` positions are in the cache:
         the kept blocks, then from the first block the last computed position read through the
@@ -218,6 +223,13 @@ class SlidingWindow(_Local):
     def first_read_array(self, q: np.ndarray) -> np.ndarray:
         return np.maximum(0, np.asarray(q, dtype=np.int64) - self.window + 1)
 
+    def release_step(self, computed: int, block_size: int, limit: int) -> tuple[int, int]:
+        if not self._own_rules():
+            return AttentionSpec.release_step(self, computed, block_size, limit)
+        first = computed - self.window + 1
+        r = first // block_size if first > 0 else 0
+        return r, max(computed + 1, (r + 1) * block_size + self.window - 1)
+
     def next_release(self, computed: int, block_size: int, limit: int) -> int:
         """Closed form: block r leaves once position (r + 1) * block_size is the first read.
         Example (block size 16, window 128, c = 1,000: blocks below 54 released): block 54
@@ -247,6 +259,13 @@ class ChunkedLocalAttention(_Local):
     def first_read_array(self, q: np.ndarray) -> np.ndarray:
         q = np.asarray(q, dtype=np.int64)
         return q - q % self.chunk
+
+    def release_step(self, computed: int, block_size: int, limit: int) -> tuple[int, int]:
+        if not self._own_rules():
+            return AttentionSpec.release_step(self, computed, block_size, limit)
+        chunk = self.chunk
+        r = (computed - computed % chunk) // block_size
+        return r, max(computed + 1, -(-((r + 1) * block_size) // chunk) * chunk)
 
     def next_release(self, computed: int, block_size: int, limit: int) -> int:
         """Closed form: the next chunk start at or past the end of the next block to release."""

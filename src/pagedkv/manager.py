@@ -514,8 +514,11 @@ class KVCacheManager:
             for sid, s in zip(seq_ids, ss):
                 if s.unscheduled or s.drafts or s.host is not None:
                     raise ValueError(s.why_not_ready(sid, "append to"))
-        if self._releases or self._pool.num_free < len(self._specs) * n or self._cq.sources:
-            self._coord.step_room(ss, "a decode step")  # (only then can the batch fail)
+        pool, k = self._pool, len(self._specs) * n
+        # the batch can fail only when the free blocks may not cover it; releases go first when
+        # an allocation might otherwise evict a cached block they would have spared
+        if pool.num_free < k or self._cq.sources or (self._releases and pool.num_clean < k):
+            self._coord.step_room(ss, "a decode step")
         if self._busy is not None:
             self._busy.update(ss)
         bs = self._bs
