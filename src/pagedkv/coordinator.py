@@ -27,6 +27,8 @@ from .types import PrefixHit
 
 __all__ = ["Coordinator", "UnitaryCoordinator"]
 
+ONE_GROUP_LOW = (0,)  # the first live entry of a group that never releases: shared, never written
+
 
 class Coordinator:
     """The parts a coordinator drives and what every coordinator does alike. ``releases`` says
@@ -437,12 +439,14 @@ class UnitaryCoordinator(Coordinator):
             table = hits + dst + fresh
         else:
             table = hits + self.cq.fresh(need, "admitting", seq_id, hits)
-        s = Seq([table], [0], tokens, hashes, keys, unscheduled=n - computed, written=len(hits) + len(loads))
+        s = Seq([table], ONE_GROUP_LOW, tokens, hashes, keys, unscheduled=n - computed,
+                written=len(hits) + len(loads))
         if cache is not None:
             self.publish_run(s, len(hits), computed // bs)
             cache.record_query(n, hit)
-        if not s.unscheduled:
-            self.arm(s)
+        if not s.unscheduled and n % bs:  # the last block is fresh: private
+            b = table[-1] * bs
+            s.nxt, s.end = b + n % bs, b + bs
         return s, hit, bool(need)
 
     def prefill(self, s: Seq, start: int, stop: int, seq_id: Hashable) -> None:
@@ -528,8 +532,8 @@ class UnitaryCoordinator(Coordinator):
         p.shared = True
         mirror = None if p.mirror is None else p.mirror.copy()
         # the parent's step wrote every block it shares: the child's full ones count as written
-        child = Seq([p.table.copy()], [0], p.tokens[:], p.hashes.copy(), p.keys, written=p.computed // self.bs,
-                    mirror=mirror)
+        child = Seq([p.table.copy()], ONE_GROUP_LOW, p.tokens[:], p.hashes.copy(), p.keys,
+                    written=p.computed // self.bs, mirror=mirror)
         child.shared = True
         return child
 

@@ -348,8 +348,11 @@ class KVCacheManager:
             raise ValueError("the prompt must have at least one token")
         if prefill is not None:
             prefill = int_at_least("prefill", prefill, 0)
-        keys = self._extra_keys(n, cache_salt, lora_name, mm_features)
-        reserve = flag("reserve", reserve)
+        keys = None
+        if cache_salt is not None or lora_name is not None or mm_features is not None:
+            keys = ExtraKeys.make(self._bs, n, lora_name, mm_features, cache_salt)
+        if reserve is not False and reserve is not True:
+            flag("reserve", reserve)
         hashes: list = []
         if self._cache is not None:
             hashes = self._hash_memo.chained(self._hasher, self._root, keys, le_bytes(tokens), self._bs, False)
@@ -429,7 +432,7 @@ class KVCacheManager:
         toks = token_array(token_ids)
         if s.unscheduled or (s.drafts and not speculative) or s.host is not None:
             raise ValueError(s.why_not_ready(seq_id, "append to"))
-        if speculative:
+        if speculative and self._coord.states is not None:
             self._coord.draft_check()
         k = len(toks)
         if not k:

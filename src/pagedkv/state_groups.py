@@ -94,7 +94,7 @@ class StateGroups:
         table, take the write block, record ``(read, write)`` for ``state_indices`` and queue
         the checkpoint when ``b`` ends an interval."""
         coord = self.coord
-        io = s.state_io if s.state_io is not None else {}
+        io: dict = {}
         for g, spec in self.groups:
             t, table = spec.interval, s.tables[g]
             first, last = (a - 1) // t if a else -1, (b - 1) // t
@@ -113,8 +113,7 @@ class StateGroups:
             io[g] = (read, write)
             if b % t == 0 and coord.cache is not None:
                 self.pending.append((s, g, last, write, b // coord.bs - 1))
-        s.state_io = io
-        s.io_at = b
+        s.state_io = (io, b)
 
     def take_checkpoints(self) -> None:
         """The step that computed the queued checkpoints runs after this drain: publish each
@@ -167,8 +166,8 @@ class StateGroups:
             io = s.state_io
             if io is None:
                 r = w = -1
-            elif s.io_at == s.computed:
-                r, w = io[g]
+            elif io[1] == s.computed:
+                r, w = io[0][g]
             else:  # a decode token on the fast path: the running entry, in place
                 w = s.tables[g][-1]
                 r = w
