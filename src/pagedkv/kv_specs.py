@@ -189,6 +189,23 @@ class _Local(AttentionSpec):
     def _period(self, block_size: int) -> int:
         raise NotImplementedError
 
+    def _reach(self, p: int) -> int:
+        """The committed count at which the next query's first read reaches position ``p``."""
+        raise NotImplementedError
+
+    def release_step(self, computed: int, block_size: int, limit: int) -> tuple[int, int]:
+        """Closed form: block r = ``released_below`` leaves once the first read reaches
+        (r + 1) * block_size. Example (block size 16, window 128, c = 1,000): (54, 1,007)."""
+        if not self._own_rules():
+            return AttentionSpec.release_step(self, computed, block_size, limit)
+        r = self.first_read(computed) // block_size
+        return r, max(computed + 1, self._reach((r + 1) * block_size))
+
+    def next_release(self, computed: int, block_size: int, limit: int) -> int:
+        if not self._own_rules():
+            return AttentionSpec.next_release(self, computed, block_size, limit)
+        return self.release_step(computed, block_size, limit)[1]
+
     def _own_rules(self) -> bool:
         """Whether ``released_below`` is this type's own (a subclass may move it, e.g. a test's
         control that releases early): the closed forms below hold only for the own rule."""
@@ -223,21 +240,8 @@ class SlidingWindow(_Local):
     def first_read_array(self, q: np.ndarray) -> np.ndarray:
         return np.maximum(0, np.asarray(q, dtype=np.int64) - self.window + 1)
 
-    def release_step(self, computed: int, block_size: int, limit: int) -> tuple[int, int]:
-        if not self._own_rules():
-            return AttentionSpec.release_step(self, computed, block_size, limit)
-        first = computed - self.window + 1
-        r = first // block_size if first > 0 else 0
-        return r, max(computed + 1, (r + 1) * block_size + self.window - 1)
-
-    def next_release(self, computed: int, block_size: int, limit: int) -> int:
-        """Closed form: block r leaves once position (r + 1) * block_size is the first read.
-        Example (block size 16, window 128, c = 1,000: blocks below 54 released): block 54
-        (positions 864 .. 879) leaves at c' = 880 + 127 = 1,007."""
-        if not self._own_rules():
-            return AttentionSpec.next_release(self, computed, block_size, limit)
-        nxt = (self.released_below(computed, block_size) + 1) * block_size
-        return max(computed + 1, nxt + self.window - 1)
+    def _reach(self, p: int) -> int:
+        return p + self.window - 1
 
     def _period(self, block_size: int) -> int:
         return self.window + block_size
@@ -260,19 +264,8 @@ class ChunkedLocalAttention(_Local):
         q = np.asarray(q, dtype=np.int64)
         return q - q % self.chunk
 
-    def release_step(self, computed: int, block_size: int, limit: int) -> tuple[int, int]:
-        if not self._own_rules():
-            return AttentionSpec.release_step(self, computed, block_size, limit)
-        chunk = self.chunk
-        r = (computed - computed % chunk) // block_size
-        return r, max(computed + 1, -(-((r + 1) * block_size) // chunk) * chunk)
-
-    def next_release(self, computed: int, block_size: int, limit: int) -> int:
-        """Closed form: the next chunk start at or past the end of the next block to release."""
-        if not self._own_rules():
-            return AttentionSpec.next_release(self, computed, block_size, limit)
-        nxt = (self.released_below(computed, block_size) + 1) * block_size
-        return max(computed + 1, -(-nxt // self.chunk) * self.chunk)
+    def _reach(self, p: int) -> int:
+        return -(-p // self.chunk) * self.chunk
 
     def _period(self, block_size: int) -> int:
         return math.lcm(self.chunk, block_size) + block_size

@@ -30,7 +30,7 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from .arguments import (as_token, batch_arguments, batch_seqs, known, le_bytes,
+from .arguments import (as_token, batch_arguments, batch_seqs, count_within, known, le_bytes,
                         manager_args, token_array)
 from .checks import as_int, flag, int_at_least
 from .coordinator import UnitaryCoordinator
@@ -369,10 +369,8 @@ class KVCacheManager:
         group 0's). Releases due are made first (they may serve the chunk); atomic; ``n`` may
         not exceed the unscheduled rest; ``n = 0`` returns an empty array."""
         s = self._seq(seq_id)
-        n = int_at_least("n", n, 0)
         rest = s.unscheduled
-        if n > rest:
-            raise ValueError(f"prefill of {n} positions, but {rest} of the prompt are unscheduled")
+        n = count_within("n", n, rest, "prefill of {v} positions, but {limit} of the prompt are unscheduled")
         if not n:
             return np.empty(0, dtype=np.int64)
         start = len(s.tokens) - rest
@@ -479,10 +477,8 @@ class KVCacheManager:
         first. Example (block size 4, 6 tokens + 5 drafts in [a, b, c]): ``accept(id, 1)``
         keeps 7 tokens in [a, b]; c goes back clean."""
         s = self._seq(seq_id)
-        k = int_at_least("k", k, 0)
         d = s.drafts
-        if k > d:
-            raise ValueError(f"accept({k}) but {d} drafts are pending")
+        k = count_within("k", k, d, "accept({v}) but {limit} drafts are pending")
         if not d:
             return
         bs = self._bs
