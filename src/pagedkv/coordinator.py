@@ -177,10 +177,11 @@ class Coordinator:
             self.tier.release([hb for mine in s.host for _, hb in sorted(mine.items())])
         tables = s.tables
         rc = self.pool.refcount
-        if cache and self.window_eviction == "with_prefix" and self.local and self.cache is not None:
+        if self.local and cache and self.window_eviction == "with_prefix" and self.cache is not None:
             tables = self._with_released(s)
         order = self._free_order(s, tables)
-        self._let_go(order, rc)
+        if self.cq.sources or self.cache is not None and self.cache.has_twins:
+            self._let_go(order, rc)
         tier = self.tier
         unloaded = tier.drop_released_loads(order, rc) if tier is not None else []
         if self.states is not None:

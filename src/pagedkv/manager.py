@@ -624,7 +624,8 @@ class KVCacheManager:
         Example (block size 4): a 17-token prompt whose first 8 tokens hit, dropped unrun ->
         blocks 0 and 1 stay findable, 2 and 3 are unpublished. Either way a block it alone holds
         whose host load is still pending loses the load and its device hash."""
-        cache = flag("cache", cache)
+        if cache is not True and cache is not False:
+            flag("cache", cache)
         s = self._seq(seq_id)
         del self._seqs[seq_id]
         if self._busy:

@@ -46,16 +46,14 @@ class Seq:
         self.hashes = hashes
         self.keys = keys
         self.mirror = mirror
-        self.nxt = -1
-        self.end = -1
+        self.nxt = -1  # (``end`` is set with every fast-path slot)
         self.unscheduled = unscheduled
         self.drafts = 0
         self.host: list[dict[int, int]] | None = None
         self.written = written
         self.shared = False
-        # recurrent-state groups: (group -> (read, write) blocks of the last slow scheduling call,
-        # the computed count after it); a later count means decode tokens in place since
-        self.state_io: tuple | None = None
+        # ``state_io``, for recurrent-state groups only: (group -> (read, write) blocks of the
+        # last slow scheduling call, the computed count after it), set by that call
 
     @property
     def unready(self) -> bool:

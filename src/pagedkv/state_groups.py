@@ -163,7 +163,7 @@ class StateGroups:
         """``(read, write)`` block ids of each sequence's last scheduling call in group ``g``."""
         reads, writes = [], []
         for s in ss:
-            io = s.state_io
+            io = getattr(s, "state_io", None)
             if io is None:
                 r = w = -1
             elif io[1] == s.computed:
