@@ -68,6 +68,7 @@ class HybridCoordinator(Coordinator):
         self.ng = len(specs)
         self.kept = [spec.kept_blocks(block_size) for spec in specs]
         self.full0 = next((g for g, s in enumerate(specs) if s.reads_whole_prefix), None)
+        self.low0 = [0 if spec.holds_state else spec.released_below(0, block_size) for spec in specs]
         held = tuple((g, spec) for g, spec in enumerate(specs) if spec.holds_state)
         self.states = StateGroups(self, held) if held else None
         self.nkv = len(self.kv)
@@ -148,7 +149,7 @@ class HybridCoordinator(Coordinator):
                     i += 1
                 k = i
         shortening = self.local + (self.states.groups if self.states is not None else ())
-        stable = False
+        stable = not k  # nothing to shorten
         while not stable:
             stable = True
             for g, spec in shortening:
@@ -233,14 +234,15 @@ class HybridCoordinator(Coordinator):
         tables = []
         for spec, row in zip(specs, rows):
             table = [-1] * k
-            for i, b in zip(spec.hit_blocks(hit, bs), row):
-                table[i] = b
+            if k:
+                for i, b in zip(spec.hit_blocks(hit, bs), row):
+                    table[i] = b
             tables.append(table)
         for (g, i, _), d in zip(loads, dst if loads else ()):
             tables[g][i] = d
         for g, mine in zip(self.kv, self._deal(new, counts)):
             tables[g] += mine
-        low = [spec.released_below(hit, bs) if not spec.holds_state else 0 for spec in specs]
+        low = [spec.released_below(hit, bs) if not spec.holds_state else 0 for spec in specs] if k else list(self.low0)
         if self.states is not None:
             self.states.admit(tables, k, rows)
         s = Seq(tables, low, tokens, hashes, keys, unscheduled=n - computed, written=k)
@@ -333,11 +335,40 @@ class HybridCoordinator(Coordinator):
                 states.release(s, len(s.tokens))
 
     def grow(self, s: Seq) -> int:
-        """The next token's slot (group 0's) when its group blocks need a decision, with no
-        release (the caller made those due): a fresh block per group at a block end, or a copy
-        of each shared partial last block. Sets ``end`` to the block's end."""
+        """The next token's slot with no release (the caller made those due): the slow path
+        of ``append_tokens``, whose later tokens must not release what its earlier ones read."""
+        return self.slot_slow(s, False)
+
+    def slot_slow(self, s: Seq, release: bool = True) -> int:
+        """The next token's slot (group 0's) when the fast path cannot tell. With ``release``
+        (a decode token): make the releases due (capacity is the caller's to check, counting
+        them) and apply the call to the state groups. Then a fresh block per K/V group at a
+        block end, or a copy of each shared partial last block, and the fast path armed up to
+        the block's end or the next release or state boundary, whichever comes first."""
         bs = self.bs
-        off = len(s.tokens) % bs
+        c = len(s.tokens)
+        off = c % bs
+        end_c = c - off + bs
+        states = self.states
+        if release:
+            low = s.low
+            for g, spec in self.local:
+                r, nr = spec.release_step(c, bs, end_c)
+                lo = low[g]
+                if r > lo:
+                    t = s.tables[g]
+                    if r == lo + 1 and t[lo] >= 0 and not self.cq.sources and not self.tier and not (
+                            self.cache is not None and self.cache.has_twins):
+                        b = t[lo]  # one block leaves the window: the common case, inlined
+                        t[lo] = -1
+                        low[g] = r
+                        self.pool.release_all((b,))
+                    else:
+                        self._release(s, ((g, lo, r),))
+                if nr < end_c:
+                    end_c = nr if nr > c else c + 1
+            if states is not None:
+                states.release(s, c)
         tables = s.tables
         if off:
             if s.shared:
@@ -357,37 +388,7 @@ class HybridCoordinator(Coordinator):
                     tables[g].append(one())
             s.shared = False
         slot = s.table[-1] * bs + off
-        s.end = slot - off + bs
-        return slot
-
-    def slot_slow(self, s: Seq) -> int:
-        """The next decode token's slot when the fast path cannot tell: make the releases due
-        (capacity is the caller's to check, counting them), then :meth:`grow`, and arm the fast
-        path up to the block's end or the next release, whichever comes first."""
-        bs = self.bs
-        c = len(s.tokens)
-        end_c = c - c % bs + bs
-        low = s.low
-        for g, spec in self.local:
-            r, nr = spec.release_step(c, bs, end_c)
-            lo = low[g]
-            if r > lo:
-                t = s.tables[g]
-                if r == lo + 1 and t[lo] >= 0 and not self.cq.sources and not self.tier and not (
-                        self.cache is not None and self.cache.has_twins):
-                    b = t[lo]  # one block leaves the window: the common case, inlined
-                    t[lo] = -1
-                    low[g] = r
-                    self.pool.release_all((b,))
-                else:
-                    self._release(s, ((g, lo, r),))
-            if nr < end_c:
-                end_c = nr if nr > c else c + 1
-        states = self.states
-        if states is not None:
-            states.release(s, c)
-        slot = self.grow(s)
-        if states is not None:
+        if release and states is not None:
             states.schedule(s, c, c + 1)
             end_c = min(end_c, states.fast_path_end(c + 1))
         s.end = slot + end_c - c
