@@ -428,7 +428,10 @@ class HybridCoordinator(Coordinator):
         """Each sequence's last block just filled: hash it once, publish it in every group."""
         groups = self.kv
         _, hashes, parents, tokens, keys = filled_columns(filled, self.bs, self.hasher.digest, self.root)
-        blocks = [s.tables[g][-1] for s in filled for g in groups]
+        if self.states is None:
+            blocks = [t[-1] for s in filled for t in s.tables]
+        else:
+            blocks = [s.tables[g][-1] for s in filled for g in groups]
         ghashes = [(g, h) for h in hashes for g in groups]
         self.cache.publish_blocks(blocks, ghashes, [(g, p) for p in parents for g in groups],
                                   [tk for tk in tokens for _ in groups], self.bs,

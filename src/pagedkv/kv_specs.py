@@ -186,6 +186,14 @@ class _Local(AttentionSpec):
     """A type whose queries read a suffix that moves forward (a window or a chunk): its peak
     holding is periodic, so a table of one period answers every length."""
 
+    _closed: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        """The closed forms below hold only for the type's own ``released_below``; a subclass
+        that moves it (a test's control that releases early) is asked count by count."""
+        super().__init_subclass__(**kwargs)
+        cls._closed = cls.released_below is AttentionSpec.released_below
+
     def _period(self, block_size: int) -> int:
         raise NotImplementedError
 
@@ -196,20 +204,15 @@ class _Local(AttentionSpec):
     def release_step(self, computed: int, block_size: int, limit: int) -> tuple[int, int]:
         """Closed form: block r = ``released_below`` leaves once the first read reaches
         (r + 1) * block_size. Example (block size 16, window 128, c = 1,000): (54, 1,007)."""
-        if not self._own_rules():
+        if not self._closed:
             return AttentionSpec.release_step(self, computed, block_size, limit)
         r = self.first_read(computed) // block_size
         return r, max(computed + 1, self._reach((r + 1) * block_size))
 
     def next_release(self, computed: int, block_size: int, limit: int) -> int:
-        if not self._own_rules():
+        if not self._closed:
             return AttentionSpec.next_release(self, computed, block_size, limit)
         return self.release_step(computed, block_size, limit)[1]
-
-    def _own_rules(self) -> bool:
-        """Whether ``released_below`` is this type's own (a subclass may move it, e.g. a test's
-        control that releases early): the closed forms below hold only for the own rule."""
-        return type(self).released_below is AttentionSpec.released_below
 
     def peak_blocks(self, computed: np.ndarray, block_size: int) -> np.ndarray:
         c = np.asarray(computed, dtype=np.int64)
@@ -242,6 +245,13 @@ class SlidingWindow(_Local):
 
     def _reach(self, p: int) -> int:
         return p + self.window - 1
+
+    def release_step(self, computed: int, block_size: int, limit: int) -> tuple[int, int]:
+        if not self._closed:
+            return AttentionSpec.release_step(self, computed, block_size, limit)
+        w = self.window  # (the decode slow path's one question, so no further call)
+        r = (computed - w + 1) // block_size if computed >= w else 0
+        return r, max(computed + 1, (r + 1) * block_size + w - 1)
 
     def _period(self, block_size: int) -> int:
         return self.window + block_size
