@@ -196,10 +196,8 @@ class HybridCoordinator(Coordinator):
         k = 0
         rows: list = [[] for _ in specs]
         loads: list = []  # (group, index, host block)
-        split = None
         if cache is not None:
             k, pairs = self._hits(hashes, (n - 1) // bs)
-            split = self._hit_split(k, pairs)
             for g, spec in enumerate(specs):
                 for i, (b, on_host) in zip(spec.hit_blocks(k * bs, bs), pairs[g]):
                     if on_host:
@@ -226,7 +224,7 @@ class HybridCoordinator(Coordinator):
                 raise OutOfBlocks(e.needed - j, max(0, e.available - j), what) from None
             self.tier.pin([hb for _, _, hb in loads])
             dst, new = self.cq.allocate(fresh, j, acquire)
-            self.tier.load_hits([hb for _, _, hb in loads], dst, split.host)
+            self.tier.load_hits([hb for _, _, hb in loads], dst, self._hit_split(k, pairs).host)
         else:
             if state_fresh:
                 self.cq.check_room(fresh + state_fresh, 0, what, acquire)

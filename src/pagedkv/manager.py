@@ -138,13 +138,14 @@ class KVCacheManager:
         coord = self._coord
         self._slot_slow = coord.slot_slow
         self._publish_filled = coord.publish_filled
+        self._arm = coord.arm
         self._releases = coord.releases
         if self._busy is not None:
             self.append_token = self._append_token_marking
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        for bound in ("_slot_slow", "_publish_filled", "append_token"):
+        for bound in ("_slot_slow", "_publish_filled", "_arm", "append_token"):
             state.pop(bound, None)
         return state
 
@@ -430,7 +431,7 @@ class KVCacheManager:
         toks = token_array(token_ids)
         if s.unscheduled or (s.drafts and not speculative) or s.host is not None:
             raise ValueError(s.why_not_ready(seq_id, "append to"))
-        if speculative and self._coord.states is not None:
+        if speculative and self._releases:
             self._coord.draft_check()
         k = len(toks)
         if not k:
@@ -468,7 +469,7 @@ class KVCacheManager:
         if speculative:
             s.nxt = -1  # drafts pending: the next append goes through the checks
         else:
-            self._coord.arm(s)
+            self._arm(s)
         return out
 
     def accept(self, seq_id: Hashable, k: int) -> None:
@@ -495,7 +496,7 @@ class KVCacheManager:
                 data = le_bytes(s.tokens[first * bs : nfull * bs])
                 s.hashes += self._hasher.chain_keyed(parent, data, 4 * bs, first, nfull - first, s.keys)
                 self._coord.publish_run(s, first, nfull)
-        self._coord.arm(s)
+        self._arm(s)
 
     def append_batch(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int]) -> np.ndarray:
         """One decode step: append ``token_ids[i]`` to ``seq_ids[i]`` for every i, atomically;
