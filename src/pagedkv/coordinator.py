@@ -469,6 +469,15 @@ class UnitaryCoordinator(Coordinator):
                 s.end = b * bs + bs
                 s.shared = False
 
+    def tokens_room(self, s: Seq, k: int, what: str) -> None:
+        """OutOfBlocks (nothing changed) unless ``k`` more tokens fit: a block per block begun,
+        and a copy when the partial last block is shared."""
+        n, bs = len(s.tokens), self.bs
+        fresh = -(-(n + k) // bs) - -(-n // bs)
+        copies = 1 if n % bs and self.pool.refcount(s.table[-1]) > 1 else 0
+        if fresh + copies:
+            self.cq.check_room(fresh, copies, what)
+
     def step_room(self, ss: Sequence[Seq], what: str) -> None:
         """OutOfBlocks (nothing changed) unless one token each for ``ss`` fits."""
         fresh, copies = self._needs(ss)
