@@ -42,6 +42,7 @@ import numpy as np
 from ..checks import int_at_least, number_at_least
 from .baselines import KVAllocator, ReservationAllocator
 from .costmodel import CostModel
+from .fleet import ReplicaAllocator
 from .request import Request
 from .scheduler import Server
 
@@ -59,9 +60,9 @@ class RatePoint:
     """One system served at one request rate.
 
     ``normalized_latency``: mean over finished requests of (finish - arrival) / output length,
-    seconds per token (the paper's measure). ``mean_batch``: requests decoded per iteration,
-    averaged over the iterations that decoded (output tokens / iterations: every output token
-    is decoded once, a preempted request keeps what it generated). ``preemptions``: victims
+    seconds per token (the paper's measure). ``mean_batch``: requests decoded per iteration
+    while the load is offered (tokens decoded / iterations run until the last arrival), so the
+    drain at the end, a few long requests alone, does not dilute it. ``preemptions``: victims
     the paged cache recomputed (0 for a reservation, which never runs out mid-request).
     """
 
@@ -106,19 +107,43 @@ class Sustained:
         return self.bound == "="
 
 
+class _Decoded:
+    """Counts the tokens an allocator's decode steps appended (``decoded``), one by one or in
+    coalesced stretches; mixed into the allocators :func:`make_system` builds."""
+
+    decoded = 0
+
+    def step(self, req_ids: Sequence[str]) -> int:
+        n = super().step(req_ids)
+        self.decoded += n
+        return n
+
+    def step_n(self, req_ids: Sequence[str], n: int) -> int:
+        tokens = super().step_n(req_ids, n)
+        self.decoded += tokens
+        return tokens
+
+
+class _PagedSystem(_Decoded, ReplicaAllocator):
+    """The paged cache, counting decoded tokens."""
+
+
+class _ReservedSystem(_Decoded, ReservationAllocator):
+    """An Orca reservation, counting decoded tokens."""
+
+
 def make_system(system: str, num_blocks: int, block_size: int, max_len: int) -> KVAllocator:
     """A fresh allocator for ``system`` over ``num_blocks x block_size`` slots: paging through the
     real manager (1% admission watermark, as the simulator's paged allocator), or a reservation
-    placed by the buddy allocator (``"oracle"``, ``"pow2"``, ``"max"``)."""
-    from .fleet import ReplicaAllocator
-
+    placed by the buddy allocator (``"oracle"``, ``"pow2"``, ``"max"``). Its ``decoded`` counts
+    the tokens its decode steps appended."""
     if system not in SYSTEMS:
         raise ValueError(f"system must be one of {', '.join(SYSTEMS)}, got {system!r}")
     num_blocks = int_at_least("num_blocks", num_blocks, 1)
     block_size = int_at_least("block_size", block_size, 1)
     if system == "paged":
-        return ReplicaAllocator(num_blocks, block_size)
-    return ReservationAllocator(num_blocks * block_size, system, max_len)
+        return _PagedSystem(num_blocks, block_size)
+    return _ReservedSystem(num_blocks * block_size, system, max_len)
 
 
 def normalized_latency(arrival: np.ndarray, finish: np.ndarray, output_len: np.ndarray) -> float:
@@ -135,13 +160,15 @@ def serve_point(requests: Sequence[Request], system: str, num_blocks: int, block
     """Serve ``requests`` (their arrivals set) with ``system`` to the end; one :class:`RatePoint`."""
     alloc = make_system(system, num_blocks, block_size, max_len)
     server = Server(alloc, cost, max_len=max_len, record_steps=False, coalesce=True)
-    for r in sorted(requests, key=lambda r: r.arrival):
+    ordered = sorted(requests, key=lambda r: r.arrival)
+    for r in ordered:
         server.submit(r)
+    server.advance_to(ordered[-1].arrival)  # the offered load: until the last arrival
+    batch = alloc.decoded / server.iterations if server.iterations else 0.0
     server.drain()
     res = server.result(requests=list(requests))
     log = res.requests
     out = np.array([r.output_len for r in requests], dtype=np.float64)
-    batch = res.output_tokens / server.iterations if server.iterations else 0.0
     return RatePoint(rate, normalized_latency(log.arrival, log.finish, out), batch, res.preemptions,
                      res.finished)
 
