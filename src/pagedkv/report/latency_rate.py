@@ -22,7 +22,7 @@ import numpy as np
 from ..sim.latency_rate import SYSTEM_LABELS, SYSTEMS, Curve, Sustained, sustained_rate, sweep, unloaded_latency
 from ..sim.preemptions import Anatomy, anatomy
 from ..sim.workloads import load_workload
-from .fig2 import PAPER_GPU, PAPER_MAX_LEN, PAPER_MODEL, paper_setup
+from .fig2 import FULL_REQUESTS, PAPER_GPU, PAPER_MAX_LEN, PAPER_MODEL, paper_setup
 from .options import ReportOptions
 from .tables import Section, Table
 
@@ -42,7 +42,8 @@ WORKLOADS = {
     False: (("sharegpt", "ShareGPT-like", 500, 0.3, 5.0, 10), ("alpaca", "Alpaca-like", 1000, 4.0, 400.0, 10)),
     True: (("sharegpt", "ShareGPT-like", 150, 0.5, 5.0, 5), ("alpaca", "Alpaca-like", 300, 4.0, 400.0, 5)),
 }
-ANATOMY_REQUESTS = {False: 1000, True: 150}  # the saturated run whose preemptions are explained
+# The saturated run whose preemptions are explained: the Fig. 2 section's (fewer with --quick).
+ANATOMY_REQUESTS = {False: FULL_REQUESTS, True: 150}
 
 
 def rate_grid(lo: float, hi: float, num: int) -> list[float]:
@@ -120,6 +121,8 @@ def _curve_table(run: _Run) -> Table:
               "title": f"Normalized latency against request rate, {run.label}, {PAPER_MODEL} on an {PAPER_GPU} "
                        f"(modelled; the vLLM paper's Fig. 12 measure)"},
     )
+    if run.rates[-1] / run.rates[0] >= 50:  # two decades and more: a log rate axis, as swept
+        t.plot.update(logx=True, logx_base=10, xlabel="request rate (req/s, log scale)")
     for i, rate in enumerate(run.rates):
         pts = [run.curves[s].points[i] for s in SYSTEMS]
         t.add(rate, *[_sig(p.normalized_latency) for p in pts], *[round(p.mean_batch, 1) for p in pts],
@@ -187,8 +190,8 @@ def _batch_table(runs: list[_Run]) -> Table:
 
 def _anatomy_text(a: Anatomy, quick: bool) -> str:
     text = (
-        f"Why paging preempts about once per request when saturated (the Fig. 2 section's saturated "
-        f"view counts them: {a.requests:,} ShareGPT-like requests at t = 0, this run: "
+        f"Why paging preempts about once per request when saturated (the Fig. 2 section's "
+        f"saturated view counts them; here {a.requests:,} ShareGPT-like requests at t = 0 give "
         f"{a.preemptions:,} preemptions): each finish's freed blocks go at once to the head of the "
         f"queue, admitted while its prompt fits with the {a.watermark_blocks}-block watermark (1% of "
         f"{a.num_blocks:,}) left free. Between two finishes ({a.steps_per_finish:.1f} decode steps apart "
@@ -202,7 +205,7 @@ def _anatomy_text(a: Anatomy, quick: bool) -> str:
         f"{a.preempted:,} requests are preempted, {a.repeated:,} more than once (one {a.most} times). "
         f"A larger watermark trades this churn for batch size (the livelock section).")
     if quick:
-        text = f"--quick: {a.requests:,} requests, not the Fig. 2 section's run. " + text
+        text = f"--quick: {a.requests:,} requests, not the Fig. 2 section's {FULL_REQUESTS:,}. " + text
     return text
 
 

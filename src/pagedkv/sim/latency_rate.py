@@ -61,8 +61,9 @@ class RatePoint:
 
     ``normalized_latency``: mean over finished requests of (finish - arrival) / output length,
     seconds per token (the paper's measure). ``mean_batch``: requests decoded per iteration
-    while the load is offered (tokens decoded / iterations run until the last arrival), so the
-    drain at the end, a few long requests alone, does not dilute it. ``preemptions``: victims
+    while the load is offered (tokens decoded / iterations run until the last arrival; the whole
+    run when every request arrives at once), so the drain at the end, a few long requests alone,
+    does not dilute it. ``preemptions``: victims
     the paged cache recomputed (0 for a reservation, which never runs out mid-request).
     """
 
@@ -164,8 +165,10 @@ def serve_point(requests: Sequence[Request], system: str, num_blocks: int, block
     for r in ordered:
         server.submit(r)
     server.advance_to(ordered[-1].arrival)  # the offered load: until the last arrival
-    batch = alloc.decoded / server.iterations if server.iterations else 0.0
+    window = (alloc.decoded, server.iterations)
     server.drain()
+    decoded, iterations = window if window[1] else (alloc.decoded, server.iterations)  # all at t = 0
+    batch = decoded / iterations if iterations else 0.0
     res = server.result(requests=list(requests))
     log = res.requests
     out = np.array([r.output_len for r in requests], dtype=np.float64)
