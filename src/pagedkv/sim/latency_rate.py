@@ -22,8 +22,8 @@ decode-only stretch (no request waiting, none arriving, none finishing) is one c
 system is :class:`~pagedkv.sim.fleet.ReplicaAllocator`, the real manager with the same
 admission, the same tokens and the same request timings as
 :class:`~pagedkv.sim.baselines.PagedAllocator` (``tests/test_fleet.py`` checks both, to the
-bit) that can run such stretches; the reservations run them natively. Light loads cost ten
-times fewer scheduler turns than iteration by iteration, with the same clock.
+bit) that can run such stretches; the reservations run them natively. A light load then
+costs a scheduler turn per arrival or finish instead of one per token, with the same clock.
 
 The module knows no report and no paper value; the memory and the cost model come in as
 arguments (the report passes the paper's OPT-13B on an A100-40GB, the same setup as its Fig. 2
