@@ -203,7 +203,7 @@ def _anatomy_text(a: Anatomy, quick: bool) -> str:
         f"{a.per_finish:.2f} preemptions per finish, {a.predicted():,.0f} over the "
         f"{a.loaded_finishes:,} finishes while requests wait, against {a.loaded_preemptions:,} counted; "
         f"{a.preempted:,} requests are preempted, {a.repeated:,} more than once (one {a.most} times). "
-        f"A larger watermark trades this churn for batch size (the livelock section).")
+        f"The livelock section shows what a larger admission watermark does to this churn.")
     if quick:
         text = f"--quick: {a.requests:,} requests, not the Fig. 2 section's {FULL_REQUESTS:,}. " + text
     return text

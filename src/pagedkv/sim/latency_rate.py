@@ -28,8 +28,8 @@ costs a scheduler turn per arrival or finish instead of one per token, with the 
 The module knows no report and no paper value; the memory and the cost model come in as
 arguments (the report passes the paper's OPT-13B on an A100-40GB, the same setup as its Fig. 2
 section). Worked number: ShareGPT-like lengths on that setup average 0.0178 s per output token
-alone (one 17.5 ms decode step per token, plus the prompt's prefill); at 2 x that threshold,
-paging on 500 requests stays below it up to about 3.2 req/s and Orca Oracle up to about 1.6.
+alone (one decode step of about 17.6 ms per token, plus the prompt's prefill); below 2 x that,
+paging on 500 requests stays up to about 3.2 req/s and Orca (Oracle) up to about 1.6.
 """
 from __future__ import annotations
 
