@@ -193,8 +193,8 @@ def _anatomy_text(a: Anatomy, quick: bool) -> str:
         f"Why paging preempts about once per request when saturated (the Fig. 2 section's "
         f"saturated view counts them; here {a.requests:,} ShareGPT-like requests at t = 0 give "
         f"{a.preemptions:,} preemptions): each finish's freed blocks go at once to the head of the "
-        f"queue, admitted while its prompt fits with the {a.watermark_blocks}-block watermark (1% of "
-        f"{a.num_blocks:,}) left free. Between two finishes ({a.steps_per_finish:.1f} decode steps apart "
+        f"queue, admitted while its prompt fits with the admission watermark ({a.watermark_blocks} of the "
+        f"{a.num_blocks:,} blocks) left free. Between two finishes ({a.steps_per_finish:.1f} decode steps apart "
         f"while requests wait) the ~{a.mean_batch:.0f} running sequences grow by "
         f"{a.growth_between_finishes:.1f} blocks, {a.growth_between_finishes - a.watermark_blocks:.1f} "
         f"more than the watermark leaves, so a step runs out and preempts the newest request, which "
@@ -225,7 +225,7 @@ def section(opts: ReportOptions) -> Section:
             f"{opts.block_size}), context {PAPER_MAX_LEN:,}, step times modelled for an {PAPER_GPU} "
             f"({cost.describe()}); {sizes}; the same lengths at every rate (seed {opts.seed}). Every "
             f"request is served to its end, so past its limit a system's latency keeps growing with "
-            f"the number of requests: the explosion's height depends on it, where it starts hardly."]
+            f"the number of requests: that sets how high a curve climbs, hardly where it starts to."]
     if opts.quick:
         text.insert(0, "--quick: fewer requests and rates than the full report; the curves explode "
                        "later and less, and a ratio may be left out: a smoke test, not the measure.")
@@ -247,13 +247,13 @@ def _headline_text(run: _Run) -> str:
     for o in ("oracle", "max"):
         lo, hi = PAPER_SUSTAINED[o]
         got = ratios[o][0]
-        head = f"{got:.2f}x" if got is not None else "not read (a rate outside the sweep)"
-        band = (f" ({min(spread[o]):.2f}-{max(spread[o]):.2f}x over the thresholds)"
+        head = f"{got:.2f}x" if got is not None else "a ratio not read (a rate outside the sweep)"
+        band = (f"{min(spread[o]):.2f}-{max(spread[o]):.2f}x over the {len(THRESHOLDS)} thresholds; "
                 if len(spread[o]) > 1 else "")
-        parts.append(f"{head} the rate of {SYSTEM_LABELS[o]}{band}; paper {lo:g}-{hi:g}x")
+        parts.append(f"{head} that of {SYSTEM_LABELS[o]} ({band}paper {lo:g}-{hi:g}x)")
     last = len(run.rates) - 1
     return (f"{run.label}, modelled: at {m:g} x the latency alone ({_sig(m * run.unloaded, 3):g} s/token), "
-            f"paging sustains {_fmt_rate(sus['paged'])} req/s, {parts[0]}; {parts[1]}. At "
+            f"paging sustains {_fmt_rate(sus['paged'])} req/s: {parts[0]} and {parts[1]}. At "
             f"{run.rates[run.batch_at]:g} req/s it batches {run.batch_ratio('oracle'):.2f}x the requests of "
             f"Orca (Oracle) and {run.batch_ratio('max'):.2f}x those of Orca (Max), at {run.rates[last]:g} "
             f"req/s {run.batch_ratio('oracle', last):.2f}x and {run.batch_ratio('max', last):.2f}x (paper "
