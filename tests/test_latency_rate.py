@@ -63,7 +63,8 @@ def test_a_rate_that_served_nothing_counts_as_exploded():
 
 @pytest.mark.parametrize("rates,lats,thr,needle", [
     ([1, 2], [0.1], 0.2, "same non-zero length"), ([], [], 0.2, "same non-zero length"),
-    ([1, 2], [0.1, 0.2], 0.0, "threshold"), ([1, 2], [0.1, 0.2], -1, "threshold")])
+    ([1, 2], [0.1, 0.2], 0.0, "threshold"), ([1, 2], [0.1, 0.2], -1, "threshold"),
+    ([2, 1], [0.1, 0.2], 0.2, "increasing"), ([1, 1], [0.1, 0.2], 0.2, "increasing")])
 def test_reading_refuses_bad_input(rates, lats, thr, needle):
     with pytest.raises(ValueError, match=needle):
         sustained_rate(rates, lats, thr)
@@ -137,6 +138,8 @@ def test_make_system_and_sweep_refuse_bad_input():
         sweep(reqs, [0.0, 1.0], 983, 16, COST, 2048)
     with pytest.raises(ValueError, match="system must be one of"):
         sweep(reqs, [1.0], 983, 16, COST, 2048, systems=("paged", "fifo"))
+    with pytest.raises(ValueError, match="requests must not be empty"):
+        serve_point([], "paged", 983, 16, COST, 2048)
 
 
 # ---- the preemption anatomy ----------------------------------------------------------------------

@@ -21,7 +21,7 @@ Speed: every run is a :class:`~pagedkv.sim.scheduler.Server` with ``coalesce=Tru
 decode-only stretch (no request waiting, none arriving, none finishing) is one call. The paged
 system is :class:`~pagedkv.sim.fleet.ReplicaAllocator`, the real manager with the same
 admission, the same tokens and the same request timings as
-:class:`~pagedkv.sim.baselines.PagedAllocator` (``tests/test_fleet.py`` checks both, to the
+:class:`~pagedkv.sim.baselines.PagedAllocator` (a test checks both, to the
 bit) that can run such stretches; the reservations run them natively. A light load then
 costs a scheduler turn per arrival or finish instead of one per token, with the same clock.
 
@@ -159,6 +159,8 @@ def normalized_latency(arrival: np.ndarray, finish: np.ndarray, output_len: np.n
 def serve_point(requests: Sequence[Request], system: str, num_blocks: int, block_size: int,
                 cost: CostModel, max_len: int, rate: float = math.nan) -> RatePoint:
     """Serve ``requests`` (their arrivals set) with ``system`` to the end; one :class:`RatePoint`."""
+    if not requests:
+        raise ValueError("requests must not be empty")
     alloc = make_system(system, num_blocks, block_size, max_len)
     server = Server(alloc, cost, max_len=max_len, record_steps=False, coalesce=True)
     ordered = sorted(requests, key=lambda r: r.arrival)
@@ -233,6 +235,8 @@ def sustained_rate(rates: Sequence[float], latencies: Sequence[float], threshold
     if len(rates) != len(latencies) or not rates:
         raise ValueError(f"rates and latencies must have the same non-zero length, got {len(rates)} "
                          f"and {len(latencies)}")
+    if any(b <= a for a, b in zip(rates, rates[1:])):
+        raise ValueError(f"rates must be increasing, got {list(rates)}")
     above = [i for i, v in enumerate(latencies) if not v < threshold]  # NaN (nothing served) counts
     if not above:
         return Sustained(float(rates[-1]), ">=")
