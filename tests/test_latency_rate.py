@@ -265,6 +265,18 @@ def test_tables_and_plots_name_systems_plainly(quick_section):
     assert "--quick" in text and max(map(len, text.splitlines())) <= 100
 
 
+def test_batch_table_says_who_is_past_its_rate(quick_section):
+    """The note under the batch table names, from the readings, the systems past the rate they
+    sustain at each rate read: at ShareGPT-like's highest rate paging is past its own too."""
+    sec, _ = quick_section
+    batch = next(t for t in sec.tables if t.title.startswith("Requests batched"))
+    d = sec.data["workloads"]["ShareGPT-like"]
+    head = d["sustained"][0]
+    assert head["bound"]["paged"] == "=" and d["rates"][-1] > head["rate"]["paged"]
+    [note] = [n for n in batch.notes if n.startswith("ShareGPT-like, past the rate each sustains")]
+    assert note.endswith(f"at {d['rates'][-1]:g} req/s paged (pagedkv), Orca (Oracle), Orca (Pow2), Orca (Max).")
+
+
 def test_finding_gives_the_ratios_beside_the_papers(quick_section):
     sec, _ = quick_section
     found = [f.text for f in findings([sec]) if f.key == "latency_rate"]
