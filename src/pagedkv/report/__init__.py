@@ -27,6 +27,7 @@ SECTIONS: dict[str, str] = {
     "cow_case": "cow_case",
     "cow_proof": "cow_proof",
     "fig2": "fig2",
+    "latency_rate": "latency_rate",
     "block_size": "block_size",
     "hybrid": "hybrid",
     "sharing": "sharing",
