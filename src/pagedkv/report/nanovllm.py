@@ -26,7 +26,7 @@ from ..sim.traces import load_mooncake_jsonl, trace_not_found, trace_path
 from .options import ReportOptions
 from .tables import Section, Table
 
-__all__ = ["section", "KEY", "workload", "measure"]
+__all__ = ["section", "KEY", "workload", "measure", "differing_steps"]
 
 KEY = "nanovllm"
 BLOCK_SIZE = 256  # nano-vllm's default; its config requires a multiple of 256
@@ -104,16 +104,29 @@ def _tables(data: dict, names: dict[str, str]) -> list[Table]:
     return [main, split]
 
 
-def _agreement(by: dict) -> str:
-    n, p = by["nano-vllm"], by["pagedkv"]
-    keys = ("steps", "preemptions", "hit_tokens", "blocks_in_use_peak")
-    if all(n[k] == p[k] for k in keys):
-        return ("Both allocators gave the same schedule: equal steps, preemptions, prefix-hit tokens "
-                f"({p['hit_tokens']:,}) and blocks in use.")
-    return (f"The schedules differ: prefix-hit tokens {n['hit_tokens']:,} (nano-vllm) against "
-            f"{p['hit_tokens']:,} (pagedkv). Once the pool is full the two evict different blocks "
-            "(pagedkv hands out clean blocks before evicting cached ones, nano-vllm takes the head "
-            "of one queue of free blocks, cached or clean).")
+def differing_steps(a: EngineRun, b: EngineRun) -> tuple[int, int | None]:
+    """How many steps the two runs scheduled differently (tokens scheduled, or a step only one run
+    has), and the first of them (None when the schedules are the same)."""
+    x, y = a.scheduled_tokens, b.scheduled_tokens
+    diff = [i for i in range(max(len(x), len(y))) if i >= min(len(x), len(y)) or x[i] != y[i]]
+    return len(diff), (diff[0] if diff else None)
+
+
+def _agreement(data: dict) -> str:
+    n, p = data["allocators"]["nano-vllm"], data["allocators"]["pagedkv"]
+    if data["differing_steps"] == 0:
+        same_blocks = "and blocks in use" if n["blocks_in_use_mean"] == p["blocks_in_use_mean"] else (
+            "but not the same blocks in use: when two sequences compute the same block in one step, "
+            "nano-vllm's map keeps the last copy and pagedkv's the first, so a later hit on it can "
+            "share a held copy on one side and take a freed one on the other")
+        return (f"Both allocators gave the same schedule, step for step, with the same prefix-hit "
+                f"tokens ({p['hit_tokens']:,}), {same_blocks}.")
+    return (f"The schedules differ at {data['differing_steps']:,} of {p['steps']:,} steps (first at step "
+            f"{data['first_differing_step']:,}), where the two managers may: when two sequences compute "
+            f"the same block in one step, nano-vllm's map keeps the last copy and pagedkv's the first, "
+            f"so a later hit can share a copy still held on one side and take a freed one (a free "
+            f"block) on the other; and once the pool is full pagedkv hands out clean blocks before "
+            f"evicting cached ones, where nano-vllm takes the head of one queue of free blocks.")
 
 
 def section(opts: ReportOptions) -> Section:
@@ -142,10 +155,12 @@ def section(opts: ReportOptions) -> Section:
     opts.note(f"{KEY}: {len(requests)} requests, {runs} runs per allocator")
     measured = measure(engine, requests, num_blocks, runs)
     by = {a: _summary(measured[a]) for a in ALLOCATORS}
+    differ, first = differing_steps(measured["nano-vllm"][0], measured["pagedkv"][0])
     sec.data.update({"trace": "mooncake", "requests": len(requests), "block_size": BLOCK_SIZE,
                      "num_blocks": num_blocks, "runs": runs, "max_output": MAX_OUTPUT,
                      "max_request_tokens": MAX_REQUEST_TOKENS, "allocators": by,
+                     "differing_steps": differ, "first_differing_step": first,
                      "time_ratio": by["pagedkv"]["allocator_ms"] / by["nano-vllm"]["allocator_ms"]})
     sec.tables += _tables(sec.data, _names(engine))
-    sec.text.append(_agreement(by))
+    sec.text.append(_agreement(sec.data))
     return sec
