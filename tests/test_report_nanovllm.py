@@ -70,7 +70,7 @@ def test_section_json_has_every_field_and_preempts(quick_section):
     for a in ALLOCATORS:
         x = d["allocators"][a]
         assert set(x) == {"steps", "preemptions", "hit_tokens", "admitted_tokens", "hit_rate", "blocks_in_use_mean",
-                          "blocks_in_use_peak", "allocator_ms", "allocator_ms_runs", "ms_by_method"}
+                          "block_steps", "blocks_in_use_peak", "allocator_ms", "allocator_ms_runs", "ms_by_method"}
         assert set(x["ms_by_method"]) == set(METHODS) and len(x["allocator_ms_runs"]) == runs
         assert x["preemptions"] > 0  # the pool is small enough that sequences are preempted
         assert x["blocks_in_use_peak"] == num_blocks  # and it fills
@@ -102,6 +102,17 @@ def test_tight_pool_totals_agree_and_the_section_counts_differing_steps(quick_se
     assert quick_section.text[-1].startswith(f"The schedules differ at {d['differing_steps']} of "
                                              f"{by['pagedkv']['steps']:,} steps (first at step "
                                              f"{d['first_differing_step']})")
+
+
+def test_method_times_plot(quick_section, tmp_path):
+    pytest.importorskip("matplotlib")
+    from pagedkv.report.plots import plot_table
+
+    table = quick_section.tables[1]
+    assert table.column("method") == [*METHODS, "total"]
+    assert table.rows[-1][1] == quick_section.data["allocators"]["nano-vllm"]["allocator_ms"]
+    path = plot_table(table, tmp_path)
+    assert path.name == "nanovllm_methods.png" and path.stat().st_size > 0
 
 
 def test_large_pool_same_hits_every_step(no_env):

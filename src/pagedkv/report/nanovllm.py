@@ -68,6 +68,7 @@ def _summary(runs: list[EngineRun]) -> dict:
     return {"steps": first.steps, "preemptions": first.preemptions, "hit_tokens": first.hit_tokens,
             "admitted_tokens": first.admitted_tokens, "hit_rate": first.hit_rate,
             "blocks_in_use_mean": statistics.fmean(first.blocks_in_use),
+            "block_steps": sum(first.blocks_in_use),
             "blocks_in_use_peak": max(first.blocks_in_use),
             "allocator_ms": statistics.median(r.allocator_seconds * 1e3 for r in runs),
             "allocator_ms_runs": [r.allocator_seconds * 1e3 for r in runs], "ms_by_method": by_method}
@@ -116,9 +117,10 @@ def _agreement(data: dict) -> str:
     n, p = data["allocators"]["nano-vllm"], data["allocators"]["pagedkv"]
     if data["differing_steps"] == 0:
         same_blocks = "and blocks in use" if n["blocks_in_use_mean"] == p["blocks_in_use_mean"] else (
-            "but not the same blocks in use: when two sequences compute the same block in one step, "
-            "nano-vllm's map keeps the last copy and pagedkv's the first, so a later hit on it can "
-            "share a held copy on one side and take a freed one on the other")
+            f"but not quite the same blocks in use (summed over the steps, {n['block_steps']:,} on nano-vllm, "
+            f"{p['block_steps']:,} on pagedkv): when two sequences compute the same block in "
+            "one step, nano-vllm's map keeps the last copy and pagedkv's the first, so a later hit on "
+            "it can share a held copy on one side and take a freed one on the other")
         return (f"Both allocators gave the same schedule, step for step, with the same prefix-hit "
                 f"tokens ({p['hit_tokens']:,}), {same_blocks}.")
     return (f"The schedules differ at {data['differing_steps']:,} of {p['steps']:,} steps (first at step "
