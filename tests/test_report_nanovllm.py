@@ -214,3 +214,21 @@ def test_cli_refuses_a_bad_checkout_in_one_line(tmp_path, capsys, monkeypatch):
     out, err = capsys.readouterr()
     assert rc == 2 and out == "" and err.count("\n") == 1
     assert "PAGEDKV_NANOVLLM" in err and "unset PAGEDKV_NANOVLLM" in err
+
+
+def test_an_installed_nanovllm_runs_and_one_of_another_shape_is_passed_over(tmp_path, monkeypatch):
+    """An installed ``nanovllm`` package is found without importing it: nano-vllm's own engine
+    runs; a package of another shape (a fork from before chunked prefill) is passed over, and
+    the engine written here runs with the reason in its source line."""
+    monkeypatch.delenv(ENV, raising=False)
+    good, fork = tmp_path / "good", tmp_path / "fork"
+    checkout(good, dict(GOOD_FILES, **{"../__init__.py": "raise ImportError('never imported')\n"}))
+    monkeypatch.syspath_prepend(str(good))
+    engine = find_engine()
+    assert engine.own and engine.source.endswith(str(good / "nanovllm" / "engine"))
+    checkout(fork, dict(GOOD_FILES, **{"../__init__.py": "", "block_manager.py": "class BlockManager:\n    pass\n"}))
+    monkeypatch.syspath_prepend(str(fork))
+    engine = find_engine()
+    assert not engine.own and engine.source.startswith(SOURCE + " (passed over: the installed nanovllm ")
+    assert "not the nano-vllm engine this replay drives: its BlockManager has no can_allocate" in engine.source
+    assert no_nanovllm_modules()
