@@ -209,6 +209,10 @@ def test_cli_refuses_a_bad_checkout_in_one_line(tmp_path, capsys, monkeypatch):
     out, err = capsys.readouterr()
     assert rc == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith(f"pagedkv report: error: --nanovllm '{tmp_path}': no nano-vllm engine there")
+    rc = main(["report", "--sections", "fork_cost", "--nanovllm", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert "--nanovllm: the nanovllm section, the only one that runs nano-vllm, is not among" in err
     monkeypatch.setenv(ENV, str(tmp_path))
     rc = main(["report", "--sections", "nanovllm"])
     out, err = capsys.readouterr()

@@ -154,6 +154,9 @@ def run(args: argparse.Namespace) -> int:
     if args.trace is not None and keys is not None and not set(keys) & TRACE_SECTIONS:
         raise UsageError(f"--trace: none of the chosen sections reads a trace "
                          f"(those that do: {','.join(sorted(TRACE_SECTIONS))})")
+    if args.nanovllm is not None and keys is not None and "nanovllm" not in keys:
+        raise UsageError("--nanovllm: the nanovllm section, the only one that runs nano-vllm, is not "
+                         "among the chosen sections")
     opts = _options(args, progress)
     if args.out is not None:
         check_out_dir("--out", args.out)
