@@ -236,3 +236,10 @@ def test_an_installed_nanovllm_runs_and_one_of_another_shape_is_passed_over(tmp_
     assert not engine.own and engine.source.startswith(SOURCE + " (passed over: the installed nanovllm ")
     assert "not the nano-vllm engine this replay drives: its BlockManager has no can_allocate" in engine.source
     assert no_nanovllm_modules()
+
+
+def test_a_data_dir_without_the_mooncake_trace_skips_the_section(tmp_path, no_env):
+    sec = section(ReportOptions(quick=True, data_dir=tmp_path))
+    assert sec.data["skipped"] is True and not sec.tables
+    assert sec.text[-1].endswith(": section skipped.") and "mooncake" in sec.text[-1].lower()
+    assert findings([sec]) == []

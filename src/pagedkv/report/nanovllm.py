@@ -4,9 +4,10 @@ nano-vllm's scheduler replays the same Mooncake requests twice: on nano-vllm's o
 ``BlockManager`` and on :class:`pagedkv.integrations.nanovllm.BlockManager`, which replaces it by
 changing one import. Per allocator: steps, preemptions, prefix hit rate, blocks in use (mean and
 peak over the steps) and the time spent in the six methods the scheduler calls (the median of a
-few runs, alternating which allocator goes first). Where the two schedules must agree (hits,
-preemptions, steps) the table shows it; where they may differ (a pool so tight that the two evict
-different blocks) it shows that too.
+few runs, alternating which allocator goes first). Whether the two scheduled alike, step for
+step, is said in words: they may differ where the two managers legitimately do (which copy of a
+block two sequences computed in one step stays findable; which free block is taken once the pool
+is full), and the section then counts the steps that differ.
 
 Which engine runs is decided by :func:`pagedkv.sim.nanovllm_files.find_engine`: nano-vllm's own
 ``scheduler.py``, ``sequence.py`` and ``block_manager.py`` whenever they are available (``pagedkv
@@ -150,8 +151,10 @@ def section(opts: ReportOptions) -> Section:
     n, num_blocks, runs = QUICK if opts.quick else FULL
     requests = workload(opts, n)
     sec.data["engine"] = {"source": engine.source, "own": engine.own}
-    if requests is None:
-        sec.text.append(f"{trace_not_found('mooncake', opts.data_dir)}: section skipped.")
+    if not requests:
+        sec.text.append(f"{trace_not_found('mooncake', opts.data_dir)}: section skipped." if requests is None
+                        else f"No request of the Mooncake trace fits {MAX_REQUEST_TOKENS:,} tokens: "
+                             "section skipped.")
         sec.data["skipped"] = True
         return sec
     opts.note(f"{KEY}: {len(requests)} requests, {runs} runs per allocator")
