@@ -14,8 +14,8 @@ Where the files come from (:func:`find_engine`): a path given (``pagedkv report 
 else ``$PAGEDKV_NANOVLLM``, else an installed ``nanovllm`` package (found without importing it),
 else none, and the caller runs :mod:`pagedkv.sim.nanovllm_rules` instead. A path given that holds
 no such engine is a ValueError; an installed package of another shape (a fork) is passed over,
-with the reason kept for the report. What this module may import: the standard library only; it
-must never import nano-vllm's package itself.
+with the reason kept for the report. What this module may import: the standard library and the
+engine written here; it must never import nano-vllm's package itself.
 """
 from __future__ import annotations
 
@@ -108,7 +108,8 @@ def _shape_problem(modules: dict[str, types.ModuleType]) -> str | None:
         return f"its BlockManager has no {', '.join(missing)}"
     if len(inspect.signature(bm.allocate).parameters) != 3:
         return "its BlockManager.allocate does not take num_cached_blocks (an engine before chunked prefill)"
-    if len(inspect.signature(getattr(sched, "postprocess", None) or (lambda: 0)).parameters) != 4:
+    post = getattr(sched, "postprocess", None)
+    if not callable(post) or len(inspect.signature(post).parameters) != 4:
         return "its Scheduler.postprocess does not take (seqs, token_ids, is_prefill)"
     try:
         probe = seq([1, 2, 3], _SamplingParams())
@@ -131,8 +132,9 @@ def load_engine(path, name: str = "nanovllm") -> Engine:
     problem = _shape_problem(modules)
     if problem is not None:
         raise ValueError(f"{name} {str(path)!r}: not the nano-vllm engine this replay drives: {problem}")
+    source = f"nano-vllm's own {', '.join(FILES)} from {pkg / 'engine'}"
     return Engine(modules["scheduler.py"].Scheduler, modules["sequence.py"].Sequence,
-                  modules["block_manager.py"].BlockManager, f"nano-vllm's own {', '.join(FILES)} from {pkg / 'engine'}", True)
+                  modules["block_manager.py"].BlockManager, source, True)
 
 
 def rules_engine(reason: str) -> Engine:
