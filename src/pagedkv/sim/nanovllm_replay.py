@@ -16,8 +16,9 @@ after a preemption counts again, with its generated tokens); blocks in use after
 ``schedule()`` (distinct block ids in the tables of the scheduler's sequences, what the forward
 pass holds); the tokens each step schedules (two runs whose lists are equal scheduled alike, to
 the step); and nanoseconds in each of the six methods the scheduler calls, each call between
-two ``perf_counter_ns`` reads (about 50 ns a call, alike on both sides). Worked example: 60
-Mooncake requests, 256 blocks of 256 tokens, take about 2,000 steps.
+two ``perf_counter_ns`` reads (about 50 ns a call, alike on both sides). Worked example: the
+first 120 Mooncake requests of at most 8,192 tokens (outputs capped at 512), on 96 blocks of 256
+tokens, take 5,623 steps with 20 preemptions; on 2,000 blocks, 535 steps and none.
 """
 from __future__ import annotations
 
