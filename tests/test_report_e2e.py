@@ -29,7 +29,7 @@ EXPECTED_PLOTS = ("fork_cost_bytes", "cow_proof_error", "cow_proof_bytes", "fig2
                   "prefix_hits_capacity", "prefix_hits_history", "chunked_prefix_hits", "chunked_memory",
                   "spec_rollback", "livelock_thrashing", "livelock_guards", "swap_vs_recompute",
                   "host_tier_hits", "host_tier_serving", "fleet_vnodes_rsd", "fleet_bounded_loads",
-                  "fleet_routers", "hybrid_hit_cost_gpt_oss_20b")
+                  "fleet_routers", "hybrid_hit_cost_gpt_oss_20b", "nanovllm_methods")
 EXPECTED_PLOTS += ("latency_rate_sharegpt", "latency_rate_alpaca")  # normalized latency against rate
 
 

@@ -44,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="small workloads: about 30 s on two cores instead of about 170 s; a smoke "
                         "run whose numbers are noisier")
+    p.add_argument("--nanovllm", type=Path, default=None, metavar="PATH",
+                   help="a checkout of github.com/GeeeekExplorer/nano-vllm: the nanovllm section runs "
+                        "its own scheduler (default: $PAGEDKV_NANOVLLM, an installed nanovllm, else "
+                        "an engine written here with its rules)")
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
                    help="also write report.md, report.json and PNG plots (with matplotlib) here")
 
@@ -89,6 +93,21 @@ def _check_user_traces(data_dir: Path | None) -> None:
             load_trace(path)
 
 
+def _check_nanovllm(path: Path | None) -> None:
+    """Load nano-vllm's files now (``--nanovllm``, else ``$PAGEDKV_NANOVLLM``): a path that holds
+    no usable engine must stop the report before the first section."""
+    from ..sim.nanovllm_files import ENV, load_engine
+
+    env = os.environ.get(ENV)
+    if path is not None:
+        load_engine(path, "--nanovllm")
+    elif env:
+        try:
+            load_engine(env, f"{ENV}")
+        except ValueError as e:
+            raise UsageError(f"{e} (unset {ENV} to run the engine written here)") from None
+
+
 def _options(args: argparse.Namespace, progress) -> ReportOptions:
     check_int("--block-size", args.block_size, 1, MAX_BLOCK_SIZE, " (the report's context limit)")
     check_int("--seed", args.seed, 0)
@@ -97,8 +116,9 @@ def _options(args: argparse.Namespace, progress) -> ReportOptions:
     _check_user_traces(args.data_dir)
     if args.trace is not None:
         _check_trace(args.trace)
+    _check_nanovllm(args.nanovllm)
     return ReportOptions(model=args.model, block_size=args.block_size, seed=args.seed, quick=args.quick,
-                         trace=args.trace, data_dir=args.data_dir, progress=progress)
+                         trace=args.trace, data_dir=args.data_dir, nanovllm=args.nanovllm, progress=progress)
 
 
 def _write_out(sections, opts: ReportOptions, out: Path) -> list[Path]:
@@ -134,6 +154,9 @@ def run(args: argparse.Namespace) -> int:
     if args.trace is not None and keys is not None and not set(keys) & TRACE_SECTIONS:
         raise UsageError(f"--trace: none of the chosen sections reads a trace "
                          f"(those that do: {','.join(sorted(TRACE_SECTIONS))})")
+    if args.nanovllm is not None and keys is not None and "nanovllm" not in keys:
+        raise UsageError("--nanovllm: the nanovllm section, the only one that runs nano-vllm, is not "
+                         "among the chosen sections")
     opts = _options(args, progress)
     if args.out is not None:
         check_out_dir("--out", args.out)

@@ -37,6 +37,7 @@ SECTIONS: dict[str, str] = {
     "swap_vs_recompute": "swap_recompute",
     "host_offload": "host_offload",
     "fleet": "fleet",
+    "nanovllm": "nanovllm",
 }
 # The sections that replay a --trace file; the others run built-in workloads only.
 TRACE_SECTIONS = frozenset({"fig2", "prefix_hits", "host_offload", "fleet"})
