@@ -182,6 +182,9 @@ def test_layer_layout_fields_of_every_family():
                                    n_groups=1, ssm_state_size=8, conv_kernel=4))
     assert (nemo.attention_layers, nemo.state_layers) == (1, 2)
     assert is_hybrid_state_config(qwen) and not is_hybrid_state_config({"num_hidden_layers": 2})
+    # Granite 4.0 Micro: a granitemoehybrid config whose layers all attend keeps no state
+    micro = dict(mamba2, model_type="granitemoehybrid", num_hidden_layers=2, layer_types=["attention"] * 2)
+    assert not is_hybrid_state_config(micro)
 
 
 QWEN_NEXT_TINY = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

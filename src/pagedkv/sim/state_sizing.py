@@ -218,12 +218,13 @@ def is_hybrid_state_config(config: Mapping[str, Any]) -> bool:
     if not isinstance(config, Mapping):
         return False
     cfg = _text_config(config)
-    types = cfg.get("layer_types") or cfg.get("layers_block_type") or ()
-    return bool(
-        cfg.get("linear_attn_config") is not None or cfg.get("hybrid_override_pattern") is not None
-        or cfg.get("linear_num_value_heads") is not None or cfg.get("mamba_n_heads") is not None
-        or str(cfg.get("model_type", "")) in ("jamba", "falcon_h1", "bamba", "granitemoehybrid")
-        or (isinstance(types, (list, tuple)) and any(t in ("linear_attention", "mamba") for t in types)))
+    if cfg.get("linear_attn_config") is not None or cfg.get("hybrid_override_pattern") is not None:
+        return True
+    types = cfg.get("layer_types") or cfg.get("layers_block_type")
+    if isinstance(types, (list, tuple)) and types:  # the layer list says whether any layer keeps a state
+        return any(t in ("linear_attention", "mamba") for t in types)
+    return bool(cfg.get("linear_num_value_heads") is not None or cfg.get("mamba_n_heads") is not None
+                or str(cfg.get("model_type", "")) in ("jamba", "falcon_h1", "bamba", "granitemoehybrid"))
 
 
 def _count_types(types: Any, field: str, num_layers: int, attention: str, state: str) -> tuple[int, int]:
