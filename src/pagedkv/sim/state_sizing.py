@@ -377,7 +377,8 @@ HYBRID_SOURCES: dict[str, str] = {
     "Qwen3.5-9B": "Qwen/Qwen3.5-9B config.json, text_config (mamba_ssm_dtype float32)",
     "Nemotron-Nano-9B-v2": "nvidia/NVIDIA-Nemotron-Nano-9B-v2 config.json",
     "Granite-4.0-H-Small": (
-        "ibm-granite/granite-4.0-h-small config.json (36 mamba + 4 attention layers; mamba_n_heads "
+        "ibm-granite/granite-4.0-h-small config.json (36 mamba + 4 attention layers, counted; the "
+        "order listed here is not the checkpoint's and does not change any size; mamba_n_heads "
         "128 and mamba_d_head 64 = 8,192 / 128 read from the checkpoint's GGUF metadata: ssm "
         "time_step_rank 128, inner_size 8,192, group_count 1)"),
     "Jamba-v0.1": "ai21labs/Jamba-v0.1 config.json",
@@ -466,6 +467,9 @@ def vllm_attention_block_size(state_page_bytes: int, attn_bytes_per_token: int, 
 
     Example (Qwen3-Next-80B-A3B, tp 1, bf16): 16 x ceil(1,097,728 / (16 x 2,048)) = 16 x 34 = 544
     tokens, an attention page of 544 x 2,048 = 1,114,112 bytes; the state is padded by 1.49%.
+    That is the issue's formula, and vLLM's rule wherever the alignment is 16 and Mamba prefix
+    caching is off; they part when the kernel aligns to more (MLA: 64), when a larger block size
+    is configured (it becomes the alignment) and in mode "all" (the chunk rounding above).
     """
     state = int_at_least("state_page_bytes", state_page_bytes, 1)
     per_token = int_at_least("attn_bytes_per_token", attn_bytes_per_token, 1)
