@@ -79,7 +79,7 @@ def test_every_builtin_matches_its_config_arithmetic():
 
 
 def test_builtin_numbers_written_out():
-    """The same numbers as plain integers, the way the issue and the docs quote them."""
+    """The same numbers as plain integers, the way docs/design.md quotes them."""
     got = {n: (hybrid_sizing(m).state_bytes_per_layer, hybrid_sizing(m).vllm_block_size)
            for n, m in builtin_hybrids().items()}
     assert got == {"Qwen3-Next-80B-A3B": (1_097_728, 544), "Qwen3.5-9B": (2_146_304, 528),
@@ -87,7 +87,7 @@ def test_builtin_numbers_written_out():
                    "Jamba-v0.1": (311_296, 80), "Kimi-Linear-48B-A3B": (2_170_880, 1_920)}
 
 
-def test_qwen3_next_worked_example_of_the_issue():
+def test_qwen3_next_worked_example():
     """(3 x 8,192 + 32 x 128 x 128) x 2 B = 1,097,728 B; 16 x ceil(1,097,728 / (16 x 2,048)) = 544."""
     model = get_hybrid("qwen3-next-80b-a3b")  # case-insensitive
     assert model.state.shapes() == ((3, 8192), (32, 128, 128))

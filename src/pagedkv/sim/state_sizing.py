@@ -467,9 +467,10 @@ def vllm_attention_block_size(state_page_bytes: int, attn_bytes_per_token: int, 
 
     Example (Qwen3-Next-80B-A3B, tp 1, bf16): 16 x ceil(1,097,728 / (16 x 2,048)) = 16 x 34 = 544
     tokens, an attention page of 544 x 2,048 = 1,114,112 bytes; the state is padded by 1.49%.
-    That is the issue's formula, and vLLM's rule wherever the alignment is 16 and Mamba prefix
-    caching is off; they part when the kernel aligns to more (MLA: 64), when a larger block size
-    is configured (it becomes the alignment) and in mode "all" (the chunk rounding above).
+    The plain formula 16 x ceil(state / (16 x bytes per token)) is vLLM's rule wherever the
+    alignment is 16 and Mamba prefix caching is off; they part when the kernel aligns to more
+    (MLA: 64), when a larger block size is configured (it becomes the alignment) and in mode
+    "all" (the chunk rounding above).
     """
     state = int_at_least("state_page_bytes", state_page_bytes, 1)
     per_token = int_at_least("attn_bytes_per_token", attn_bytes_per_token, 1)
