@@ -69,6 +69,7 @@ __all__ = [
     "request_kv_bytes",
     "EqualPageGroup",
     "equal_page_groups",
+    "uniform_page_group_size",
 ]
 
 GIB = 1 << 30  # bytes in a GiB; the vLLM paper's "GB" (see the module docstring)
@@ -605,6 +606,19 @@ class EqualPageGroup:
     padding: int
 
 
+def uniform_page_group_size(layer_counts) -> int:
+    """The layers per KV cache group vLLM builds when every group's page must have the same bytes
+    (``_get_kv_cache_groups_uniform_page_size`` in ``vllm/v1/core/kv_cache_utils.py``): the fewest
+    layers of any type, or the most when the most are under 1.5 times the fewest. Example: Gemma 3
+    27B (52 sliding, 10 full) -> 10; Qwen3-Next (36 gated DeltaNet, 12 full) -> 12; gpt-oss
+    (12, 12) -> 12."""
+    counts = [int_at_least("layer count", n, 1) for n in layer_counts]
+    if not counts:
+        raise ValueError("layer_counts must name at least one layer type")
+    fewest, most = min(counts), max(counts)
+    return most if most < 1.5 * fewest else fewest
+
+
 def equal_page_groups(spec: ModelSpec) -> list[EqualPageGroup]:
     """The KV cache groups vLLM v1 builds for a hybrid model so that every group's page has the
     same bytes (``_get_kv_cache_groups_uniform_page_size``): the group size is the fewest layers
@@ -617,8 +631,7 @@ def equal_page_groups(spec: ModelSpec) -> list[EqualPageGroup]:
     more (vLLM logs "may waste at most 15.38%"). gpt-oss (12 + 12 or 18 + 18) pads nothing.
     """
     types = attention_groups(spec)
-    fewest, most = min(n for _, n in types), max(n for _, n in types)
-    size = most if most < 1.5 * fewest else fewest
+    size = uniform_page_group_size([n for _, n in types])
     out = []
     for attention, n in types:
         groups = -(-n // size)
