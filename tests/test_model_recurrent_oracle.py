@@ -1,0 +1,319 @@
+"""The Qwen3-Next decoder (gated DeltaNet + full attention) against transformers' own model.
+
+The oracle is a tiny seeded ``Qwen3NextForCausalLM`` (4 layers: DeltaNet, DeltaNet, full
+attention, DeltaNet; hidden 64; dense MLP), its norm weights, ``dt_bias`` and ``A_log`` moved off
+their initial values so that a wrong ``1 + weight``, a wrong gate or a lost state shows (``A`` in
+0.02 .. 0.5: the states decay slowly, so a stale or missing state moves the logits by a lot).
+The decoder keeps nothing between steps: K/V live in the paged store at the slots the test's
+allocator hands out, and every DeltaNet state lives in a state-store block named by the
+(read, write) ids the contract's ``state_indices`` gives (``Runner.state_ids`` applies its rule:
+read entry (a-1)//T, write entry (b-1)//T, a fresh block when they differ). Block ids come from
+one shuffled pool shared by both stores' groups, as the manager's. Equal greedy tokens and logits
+within 1e-4 (measured ~7e-6) through prefill, chunked prefill, decode, a checkpoint restored
+for a second request (also through the host pool) and a fork that copies the running state mean
+the states are read and written where the contract says; the negative controls (a checkpoint one
+interval early, a fork without the copy, a zero state in chunk 2) move the logits by more than 0.1.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.models.qwen3_next")
+
+from pagedkv.qwen3_next import PagedQwen3Next  # noqa: E402
+from pagedkv.types import CopyOp, Transfer  # noqa: E402
+from llama_setup import prompts_of  # noqa: E402
+
+pytestmark = pytest.mark.oracle
+ATOL = 1e-4
+BLOCK = 4
+INTERVAL = 8  # the state group's checkpoint interval T
+LAYERS = ("linear_attention", "linear_attention", "full_attention", "linear_attention")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_torch_thread):
+    """Every test here runs with one torch thread (see conftest)."""
+
+
+def tiny_qwen3_next(seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4, num_experts=0, layer_types=list(LAYERS), initializer_range=0.1,
+        max_position_embeddings=512, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25})
+    hf = transformers.Qwen3NextForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn(p.shape, generator=g) * 0.2)
+            elif name.endswith("dt_bias"):
+                p.add_(torch.randn(p.shape, generator=g) * 0.5)
+            elif name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.02, 0.5, generator=g).log())
+    return hf
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_qwen3_next()
+
+
+def hf_logits(hf, seq):
+    with torch.no_grad():
+        return hf(torch.tensor([seq]), use_cache=False).logits[0].numpy()
+
+
+def hf_generate(hf, prompt, new):
+    """transformers' own greedy generate, with its own DeltaNet cache (conv and recurrent states)."""
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                      output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+    return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits, 1)[0].numpy()
+
+
+class Runner:
+    """A hand-driven allocator for both groups over one pool of block ids, and the decoder.
+
+    K/V (group 0): a block table per sequence, a fresh block per ``BLOCK`` positions. States
+    (group 1): a table of entries per sequence, one per ``INTERVAL`` positions, filled by
+    :meth:`state_ids` with the contract's rule. ``shared`` holds the state blocks a fork shares:
+    the first write into one copies it (``CopyOp(src, dst, group=1)``) unless ``copy_on_fork`` is
+    False (the negative control: both sequences then write the shared block).
+    """
+
+    def __init__(self, model, num_blocks=96, seed=0, copy_on_fork=True):
+        self.model = model
+        self.kv, self.states = model.new_stores(num_blocks, BLOCK, host_blocks=8)
+        self.free = np.random.default_rng(seed).permutation(num_blocks).tolist()
+        self.tables, self.entries, self.tokens = {}, {}, {}
+        self.shared, self.copies, self.copy_on_fork = set(), [], copy_on_fork
+
+    def block(self):
+        return self.free.pop()
+
+    def admit(self, seq, table=(), entries=None, cached=()):
+        """A new sequence; a prefix hit passes its shared K/V blocks, its state entries and the
+        cached tokens."""
+        self.tables[seq], self.entries[seq], self.tokens[seq] = list(table), dict(entries or {}), list(cached)
+
+    def state_ids(self, seq, a, b):
+        """(read, write) for a call scheduling positions a .. b-1: read entry (a-1)//T (-1 at
+        a = 0), write entry (b-1)//T, in place when they are the same entry (copied first when a
+        fork shares it), a fresh block when they differ."""
+        entries = self.entries[seq]
+        read = -1 if a == 0 else entries[(a - 1) // INTERVAL]
+        if a and (a - 1) // INTERVAL == (b - 1) // INTERVAL:
+            if read in self.shared and self.copy_on_fork:
+                write = self.block()
+                self.copies.append(CopyOp(read, write, group=1))
+                self.shared.discard(read)
+                entries[(a - 1) // INTERVAL] = write
+                return write, write  # the copy runs before the step: read the private block
+            return read, read
+        write = self.block()
+        entries[(b - 1) // INTERVAL] = write
+        return read, write
+
+    def step(self, chunks, reads=None):
+        """One forward for ``{seq: tokens}`` (the sequence's next tokens); ``reads`` overrides a
+        sequence's state read (a negative control). Returns ``{seq: logits [n, vocab]}``."""
+        ids, slots, lens, qlens, rd, wr = [], [], [], [], [], []
+        for seq, toks in chunks.items():
+            a = len(self.tokens[seq])
+            b = a + len(toks)
+            while len(self.tables[seq]) * BLOCK < b:
+                self.tables[seq].append(self.block())
+            table = self.tables[seq]
+            slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(a, b)]
+            read, write = self.state_ids(seq, a, b)
+            rd.append((reads or {}).get(seq, read))
+            wr.append(write)
+            ids += toks
+            lens.append(b)
+            qlens.append(len(toks))
+            self.tokens[seq] += toks
+        self.states.copy_blocks(self.copies)
+        self.copies = []
+        width = max(len(self.tables[s]) for s in chunks)
+        tables = np.full((len(chunks), width), -1)
+        for i, s in enumerate(chunks):
+            tables[i, :len(self.tables[s])] = self.tables[s]
+        logits = self.model.forward(self.kv, self.states, ids, slots, tables, lens, qlens,
+                                    state_read=rd, state_write=wr)
+        out, at = {}, 0
+        for s, n in zip(chunks, qlens):
+            out[s], at = logits[at:at + n], at + n
+        return out
+
+    def fork(self, parent, child):
+        """The child shares every K/V block and every state entry (the K/V tail here is full)."""
+        assert len(self.tokens[parent]) % BLOCK == 0
+        self.tables[child], self.tokens[child] = list(self.tables[parent]), list(self.tokens[parent])
+        self.entries[child] = dict(self.entries[parent])
+        self.shared |= set(self.entries[parent].values())
+
+    def prefill(self, seq, tokens, chunk):
+        out = [self.step({seq: tokens[i:i + chunk]})[seq] for i in range(0, len(tokens), chunk)]
+        return np.concatenate(out)
+
+    def greedy(self, seq, first, new):
+        """Decode ``new`` tokens from ``first`` (the argmax of the last prompt logits); returns
+        the tokens and each step's logits row."""
+        toks, rows = [first], []
+        for _ in range(new - 1):
+            rows.append(self.step({seq: [toks[-1]]})[seq][-1])
+            toks.append(int(np.argmax(rows[-1])))
+        return toks, rows
+
+
+def test_config_maps_to_the_layer_pattern_and_stores(hf):
+    model = PagedQwen3Next.from_transformers(hf)
+    d = model.dims
+    assert (d.attention_layers, d.linear_layers, d.rotary_dim) == ((2,), (0, 1, 3), 4)
+    kv, states = model.new_stores(64, BLOCK)
+    assert (kv.num_layers, states.num_layers, states.group) == (1, 3, 1)
+    conv_dim = 2 * 2 * 8 + 4 * 8  # q and k of 2 key heads, v of 4 value heads, 8 dims each
+    assert (states.conv_shape, states.recurrent_shape) == ((conv_dim, 3), (4, 8, 8))
+    assert states.bytes_per_block == 3 * (conv_dim * 3 + 4 * 8 * 8) * 4
+
+
+def test_whole_prompt_prefill_of_a_batch_matches_transformers(hf):
+    """Three prompts in one forward (blocks from a shuffled pool): every position's logits."""
+    model = PagedQwen3Next.from_transformers(hf)
+    r = Runner(model)
+    prompts = prompts_of([5, 16, 23], seed=1)
+    for i in range(len(prompts)):
+        r.admit(i)
+    got = r.step(dict(enumerate(prompts)))
+    for i, p in enumerate(prompts):
+        np.testing.assert_allclose(got[i], hf_logits(hf, p), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [8, 5, 23])
+def test_chunked_prefill_and_decode_match_transformers_generate(hf, chunk):
+    """Chunks of 8 end on interval ends (a new state block per chunk), chunks of 5 straddle
+    them (updates in place and fresh blocks), 23 is the whole prompt; then 12 greedy tokens,
+    each decode step reading the state the last one wrote, as transformers' generate (its own
+    cache) produces them."""
+    model = PagedQwen3Next.from_transformers(hf)
+    prompt = prompts_of([23], seed=2)[0]
+    want_tokens, want_logits = hf_generate(hf, prompt, 12)
+    r = Runner(model)
+    r.admit("a")
+    prefill = r.prefill("a", prompt, chunk)
+    np.testing.assert_allclose(prefill, hf_logits(hf, prompt), atol=ATOL, rtol=0)
+    toks, rows = r.greedy("a", int(np.argmax(prefill[-1])), 12)
+    assert toks == want_tokens
+    np.testing.assert_allclose(np.stack([prefill[-1]] + rows), want_logits, atol=ATOL, rtol=0)
+
+
+def restored_run(model, read_entry, via_host=False):
+    """Request a runs a 20-token prompt in chunks ending at positions 7 and 15 (checkpoints in
+    entries 0 and 1), then 4 more. Request b shares a's first 16 tokens: its table takes a's
+    first 4 K/V blocks, its state starts from a's entry ``read_entry`` (1 is the checkpoint after
+    position 15), and it computes only its 7 new tokens, then decodes 3."""
+    prompts = prompts_of([20, 7], seed=3)
+    a, b = prompts[0], prompts[0][:16] + prompts[1]
+    r = Runner(model)
+    r.admit("a")
+    r.prefill("a", a, 8)
+    checkpoint = r.entries["a"][read_entry]
+    if via_host:  # offload the checkpoint, lose the device copy, load it into another block
+        r.states.transfer([Transfer("to_host", checkpoint, 5, group=1), Transfer("to_host", 9, 6)])
+        r.states.conv[:, checkpoint] = r.states.recurrent[:, checkpoint] = 7.0
+        checkpoint = r.block()
+        assert r.states.transfer([Transfer("to_device", 5, checkpoint, group=1)]) == r.states.bytes_per_block
+    r.admit("b", table=r.tables["a"][:4], entries={16 // INTERVAL - 1: checkpoint}, cached=b[:16])
+    rows = r.step({"b": b[16:]})["b"]
+    toks, more = r.greedy("b", int(np.argmax(rows[-1])), 4)
+    return b, np.concatenate([rows, np.stack(more)]), toks
+
+
+def test_second_request_restores_a_checkpoint(hf):
+    model = PagedQwen3Next.from_transformers(hf)
+    b, got, toks = restored_run(model, read_entry=1)
+    want = hf_logits(hf, b + toks[:-1])[16:]
+    assert toks == np.argmax(want[len(b) - 17:], -1).tolist()
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+    _, host, _ = restored_run(model, read_entry=1, via_host=True)
+    np.testing.assert_allclose(host, got, atol=0, rtol=0)
+
+
+def test_fork_copies_the_running_state(hf):
+    """Parent and child share a running state entry in mid-interval (12 positions, T = 8); in
+    the same step each appends its own token: the child's first write copies the block
+    (``CopyOp(src, dst, group=1)``), the parent updates in place; six steps each match
+    transformers on the sequence's own tokens."""
+    model = PagedQwen3Next.from_transformers(hf)
+    prompt = prompts_of([12], seed=4)[0]
+    r = Runner(model)
+    r.admit("p")
+    r.step({"p": prompt})
+    r.fork("p", "c")
+    tails = {"p": [11, 12, 13, 14, 15, 16], "c": [21, 22, 23, 24, 25, 26]}
+    got = {s: [] for s in tails}
+    for j in range(6):
+        out = r.step({s: [tails[s][j]] for s in ("c", "p")})
+        for s in tails:
+            got[s].append(out[s][-1])
+    assert r.entries["p"][1] != r.entries["c"][1]  # the child wrote a copy of the shared entry
+    for s, tail in tails.items():
+        np.testing.assert_allclose(np.stack(got[s]), hf_logits(hf, prompt + tail)[len(prompt):],
+                                   atol=ATOL, rtol=0)
+
+
+def test_negative_controls_diverge_from_transformers(hf):
+    """A checkpoint one interval early (the state after position 7 for a hit at 16), a fork
+    without the state copy (parent and child take turns writing the one shared block), and a
+    zero state in chunk 2 (a block never written) all move the logits by more than 0.1."""
+    model = PagedQwen3Next.from_transformers(hf)
+    b, early, toks = restored_run(model, read_entry=0)
+    assert np.abs(early - hf_logits(hf, b + toks[:-1])[16:]).max() > 0.1
+
+    prompt = prompts_of([12], seed=4)[0]
+    r = Runner(model, copy_on_fork=False)
+    r.admit("p")
+    r.step({"p": prompt})
+    r.fork("p", "c")
+    r.step({"p": [11]})
+    child = r.step({"c": [21]})["c"]
+    assert r.entries["p"][1] == r.entries["c"][1]
+    assert np.abs(child[-1] - hf_logits(hf, prompt + [21])[-1]).max() > 0.1
+    with pytest.raises(ValueError, match="distinct"):  # in one step: two writes of one block
+        r.step({"p": [12], "c": [22]})
+
+    seq = prompts_of([20], seed=5)[0]
+    r = Runner(model)
+    r.admit("z")
+    r.step({"z": seq[:10]})
+    chunk2 = r.step({"z": seq[10:]}, reads={"z": r.block()})["z"]
+    assert np.abs(chunk2 - hf_logits(hf, seq)[10:]).max() > 0.1
+
+
+def test_bad_state_ids_change_nothing(hf):
+    """A -1 read after position 0, a block read at position 0, two writes of one block or an
+    id outside the pool: ValueError before any K/V or state is written."""
+    model = PagedQwen3Next.from_transformers(hf)
+    kv, states = model.new_stores(8, BLOCK)
+    model.forward(kv, states, [1, 2, 3], [0, 1, 2], [[0]], [3], [3], state_read=[-1], state_write=[1])
+    before = kv.kv.copy(), states.conv.copy(), states.recurrent.copy()
+    step = dict(token_ids=[4, 5], slots=[3, 8], block_tables=[[0, 2]], seq_lens=[5], query_lens=[2])
+    bad = [dict(state_read=[-1], state_write=[1]), dict(state_read=[8], state_write=[1]),
+           dict(state_read=[1], state_write=[-1]), dict(state_read=[1], state_write=[1, 2])]
+    for ids in bad:
+        with pytest.raises(ValueError, match="state|block"):
+            model.forward(kv, states, **step, **ids)
+    with pytest.raises(ValueError, match="-1"):
+        model.forward(kv, states, [6, 7], [4, 5], [[2, 3]], [2], [2], state_read=[1], state_write=[3])
+    with pytest.raises(ValueError, match="distinct"):
+        model.forward(kv, states, [6, 7], [4, 5], [[2], [3]], [1, 1], [1, 1], state_read=[-1, -1],
+                      state_write=[3, 3])
+    after = kv.kv, states.conv, states.recurrent
+    assert all(np.array_equal(x, y) for x, y in zip(before, after))
