@@ -8,11 +8,11 @@ import pytest
 from pagedkv.state_store import StateStore
 from pagedkv.types import CopyOp, Transfer
 
-SHAPES = dict(conv_dim=6, conv_width=3, num_heads=2, k_head_dim=4, v_head_dim=5)
+SHAPES = dict(conv_shape=(6, 3), recurrent_shape=(2, 4, 5))
 
 
 def store(num_blocks=8, host_blocks=4, **kw):
-    return StateStore(2, num_blocks, **SHAPES, host_blocks=host_blocks, **kw)
+    return StateStore(2, num_blocks, **{**SHAPES, **kw}, host_blocks=host_blocks)
 
 
 def states(n, seed):
@@ -24,7 +24,7 @@ def test_sizes_are_computed_from_the_shapes():
     s = store()
     assert s.bytes_per_block == 2 * (6 * 3 + 2 * 4 * 5) * 4 == 464
     assert s.nbytes == (8 + 4) * 464
-    assert StateStore(3, 64, conv_dim=64, conv_width=3, num_heads=4, k_head_dim=8, v_head_dim=8).nbytes == 344_064
+    assert StateStore(3, 64, conv_shape=(64, 3), recurrent_shape=(4, 8, 8)).nbytes == 344_064
 
 
 def test_write_then_read_and_a_missing_block_reads_zeros():
@@ -88,6 +88,6 @@ def test_bad_input_raises_and_changes_nothing():
     with pytest.raises(ValueError, match="no host pool"):
         store(host_blocks=0).transfer([Transfer("to_host", 1, 0, group=1)])
     assert all(np.array_equal(a, b) for a, b in zip(before, (s.conv, s.recurrent, s.host_conv)))
-    for kw in (dict(group=0), dict(dtype="bfloat16"), dict(host_blocks=-1)):
+    for kw in (dict(group=0), dict(dtype="bfloat16"), dict(host_blocks=-1), dict(conv_shape=(6, 0))):
         with pytest.raises(ValueError):
             store(**kw)

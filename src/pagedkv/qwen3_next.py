@@ -196,10 +196,9 @@ class PagedQwen3Next:
         d, dn = self.dims, self.dims.deltanet
         kv = KVStore(len(d.attention_layers), num_blocks, block_size, d.num_kv_heads, d.head_dim,
                      host_blocks=host_blocks)
-        states = StateStore(len(d.linear_layers), num_blocks, conv_dim=dn.conv_dim,
-                            conv_width=dn.conv_kernel - 1, num_heads=dn.num_v_heads,
-                            k_head_dim=dn.k_head_dim, v_head_dim=dn.v_head_dim,
-                            host_blocks=host_blocks, group=state_group)
+        states = StateStore(len(d.linear_layers), num_blocks, conv_shape=dn.conv_shape,
+                            recurrent_shape=dn.recurrent_shape, host_blocks=host_blocks,
+                            group=state_group)
         return kv, states
 
     def _check_stores(self, kv: KVStore, states: StateStore) -> None:
@@ -210,7 +209,7 @@ class PagedQwen3Next:
         need = (len(d.attention_layers), d.num_kv_heads, d.head_dim)
         if have != need:
             raise ValueError(f"K/V store has (layers, kv heads, head dim) {have}, the model needs {need}")
-        need = (len(d.linear_layers), (dn.conv_dim, dn.conv_kernel - 1), dn.recurrent_shape)
+        need = (len(d.linear_layers), dn.conv_shape, dn.recurrent_shape)
         if (states.num_layers, states.conv_shape, states.recurrent_shape) != need:
             raise ValueError(f"state store has (layers, conv, recurrent) shapes "
                              f"{(states.num_layers, states.conv_shape, states.recurrent_shape)}, "

@@ -3,9 +3,10 @@
 A recurrent layer (gated DeltaNet, Mamba) carries a fixed-size state from one position to the
 next instead of every position's K/V. This store holds those states in blocks of their own: one
 block holds one sequence's state after one position, for every layer of the group: a conv state
-``[conv_dim, conv_width]`` and a recurrent state ``[num_heads, k_head_dim, v_head_dim]`` per
-layer, in two arrays ``conv [layers, num_blocks, conv_dim, conv_width]`` and ``recurrent [layers,
-num_blocks, num_heads, k_head_dim, v_head_dim]``.
+of ``conv_shape`` (gated DeltaNet and Mamba2: ``[conv_dim, kernel - 1]``, the convolution's last
+inputs) and a recurrent state of ``recurrent_shape`` (DeltaNet ``[v_heads, k_head_dim,
+v_head_dim]``, Mamba2 ``[heads, head_dim, state_size]``) per layer, in two arrays ``conv [layers,
+num_blocks, *conv_shape]`` and ``recurrent [layers, num_blocks, *recurrent_shape]``.
 
 The store knows nothing of sequences or intervals. It takes the block ids the allocator hands
 out for a state group (``state_indices``' read and write ids, ``CopyOp(src, dst, group=g)``,
@@ -45,24 +46,27 @@ class StateStore:
     position 0), ``write(layer, blocks, conv, recurrent)`` scatters its final states,
     ``copy_blocks(manager.take_copies())`` runs the copy-on-write copies of this store's
     ``group`` (call it before the step), ``transfer(manager.take_transfers())`` the host moves.
-    Example: ``StateStore(3, 64, conv_dim=64, conv_width=3, num_heads=4, k_head_dim=8,
-    v_head_dim=8)`` holds 64 blocks of 5,376 bytes: ``nbytes`` 344,064.
+    Example: ``StateStore(3, 64, conv_shape=(64, 3), recurrent_shape=(4, 8, 8))`` holds 64 blocks
+    of ``3 * (64 * 3 + 4 * 8 * 8) * 4 = 5,376`` bytes: ``nbytes`` 344,064.
     """
 
-    def __init__(self, num_layers: int, num_blocks: int, *, conv_dim: int, conv_width: int,
-                 num_heads: int, k_head_dim: int, v_head_dim: int, dtype: str = "float32",
-                 host_blocks: int = 0, group: int = 1) -> None:
-        for name, v in (("num_layers", num_layers), ("num_blocks", num_blocks), ("conv_dim", conv_dim),
-                        ("conv_width", conv_width), ("num_heads", num_heads),
-                        ("k_head_dim", k_head_dim), ("v_head_dim", v_head_dim)):
+    def __init__(self, num_layers: int, num_blocks: int, *, conv_shape: Sequence[int],
+                 recurrent_shape: Sequence[int], dtype: str = "float32", host_blocks: int = 0,
+                 group: int = 1) -> None:
+        for name, v in (("num_layers", num_layers), ("num_blocks", num_blocks)):
             _check_positive_int(name, v)
+        for name, shape in (("conv_shape", conv_shape), ("recurrent_shape", recurrent_shape)):
+            if isinstance(shape, (str, bytes)) or not isinstance(shape, (tuple, list)) or not shape:
+                raise ValueError(f"{name} must be a tuple of positive ints, got {shape!r}")
+            for v in shape:
+                _check_positive_int(name + " entries", v)
         _check_positive_int("host_blocks", host_blocks, 0)
         _check_positive_int("group", group, 1)  # group 0 is always an attention group
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
         self.num_layers, self.num_blocks, self.group = int(num_layers), int(num_blocks), int(group)
-        self.conv_shape = (int(conv_dim), int(conv_width))
-        self.recurrent_shape = (int(num_heads), int(k_head_dim), int(v_head_dim))
+        self.conv_shape = tuple(int(v) for v in conv_shape)
+        self.recurrent_shape = tuple(int(v) for v in recurrent_shape)
         self.dtype, self.host_blocks = dtype, int(host_blocks)
         self.conv, self.recurrent = self._pool(self.num_blocks)
         self.host_conv, self.host_recurrent = self._pool(self.host_blocks) if host_blocks else (None, None)
@@ -108,8 +112,8 @@ class StateStore:
         return idx
 
     def read(self, layer: int, blocks: Any) -> tuple[np.ndarray, np.ndarray]:
-        """A batch's states in one layer: conv ``[n, conv_dim, conv_width]`` and recurrent
-        ``[n, heads, k_head_dim, v_head_dim]`` (copies), zeros where a block is -1."""
+        """A batch's states in one layer: conv ``[n, *conv_shape]`` and recurrent
+        ``[n, *recurrent_shape]`` (copies), zeros where a block is -1."""
         self._check_layer(layer)
         idx = self.check_reads(blocks)
         live = idx >= 0
