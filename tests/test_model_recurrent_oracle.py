@@ -1,15 +1,16 @@
-"""The Qwen3-Next decoder (gated DeltaNet + full attention) against transformers' own model.
+"""Hybrid decoders with recurrent layers against transformers' own models: Qwen3-Next (gated
+DeltaNet + full attention) and Bamba (Mamba2 + full attention).
 
-The oracle is a tiny seeded ``Qwen3NextForCausalLM`` (4 layers: DeltaNet, DeltaNet, full
-attention, DeltaNet; hidden 64; dense MLP), its norm weights, ``dt_bias`` and ``A_log`` moved off
+Each oracle is a tiny seeded model (4 layers: recurrent, recurrent, full attention, recurrent;
+hidden 64; dense MLP), its norm weights, ``dt_bias`` and ``A_log`` (and Mamba2's ``D``) moved off
 their initial values so that a wrong ``1 + weight``, a wrong gate or a lost state shows (``A`` in
 0.02 .. 0.5: the states decay slowly, so a stale or missing state moves the logits by a lot).
 The decoder keeps nothing between steps: K/V live in the paged store at the slots the test's
-allocator hands out, and every DeltaNet state lives in a state-store block named by the
+allocator hands out, and every recurrent state lives in a state-store block named by the
 (read, write) ids the contract's ``state_indices`` gives (``Runner.state_ids`` applies its rule:
 read entry (a-1)//T, write entry (b-1)//T, a fresh block when they differ). Block ids come from
 one shuffled pool shared by both stores' groups, as the manager's. Equal greedy tokens and logits
-within 1e-4 (measured ~7e-6) through prefill, chunked prefill, decode, a checkpoint restored
+within 1e-4 (measured under 1e-5) through prefill, chunked prefill, decode, a checkpoint restored
 for a second request (also through the host pool) and a fork that copies the running state mean
 the states are read and written where the contract says; the negative controls (a checkpoint one
 interval early, a fork without the copy, a zero state in chunk 2) move the logits by more than 0.1.
@@ -22,7 +23,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.qwen3_next")
+pytest.importorskip("transformers.models.bamba")
 
+from pagedkv.bamba import PagedBamba  # noqa: E402
 from pagedkv.qwen3_next import PagedQwen3Next  # noqa: E402
 from pagedkv.types import CopyOp, Transfer  # noqa: E402
 from llama_setup import prompts_of  # noqa: E402
@@ -39,20 +42,33 @@ def _one_thread(one_torch_thread):
     """Every test here runs with one torch thread (see conftest)."""
 
 
-def tiny_qwen3_next(seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = transformers.Qwen3NextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+CONFIGS = {
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
         linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-        linear_num_value_heads=4, num_experts=0, layer_types=list(LAYERS), initializer_range=0.1,
-        max_position_embeddings=512, pad_token_id=0, bos_token_id=None, eos_token_id=None,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25})
-    hf = transformers.Qwen3NextForCausalLM(cfg).eval()
+        linear_num_value_heads=4, num_experts=0, layer_types=list(LAYERS),
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25})),
+    "bamba": ("BambaConfig", "BambaForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[LAYERS.index("full_attention")],
+        mamba_n_heads=8, mamba_d_head="auto", mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
+        mamba_expand=1, mamba_chunk_size=16)),
+}
+DECODERS = {"qwen3_next": PagedQwen3Next, "bamba": PagedBamba}
+
+
+def tiny_hybrid(arch: str, seed: int = 0):
+    """A seeded random transformers hybrid of the layer pattern :data:`LAYERS`, its norms,
+    ``dt_bias``, ``A_log`` (and Mamba2's ``D``) moved off their initial values."""
+    config_cls, model_cls, extra = CONFIGS[arch]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, config_cls)(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, initializer_range=0.1,
+        max_position_embeddings=512, pad_token_id=0, bos_token_id=None, eos_token_id=None, **extra)
+    hf = getattr(transformers, model_cls)(cfg).eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or name.endswith("mamba.D"):
                 p.add_(torch.randn(p.shape, generator=g) * 0.2)
             elif name.endswith("dt_bias"):
                 p.add_(torch.randn(p.shape, generator=g) * 0.5)
@@ -61,9 +77,19 @@ def tiny_qwen3_next(seed: int = 0):
     return hf
 
 
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def arch(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def hf():
-    return tiny_qwen3_next()
+def hf(arch):
+    return tiny_hybrid(arch)
+
+
+@pytest.fixture(scope="module")
+def model(arch, hf):
+    return DECODERS[arch].from_transformers(hf)
 
 
 def hf_logits(hf, seq):
@@ -173,20 +199,25 @@ class Runner:
         return toks, rows
 
 
-def test_config_maps_to_the_layer_pattern_and_stores(hf):
-    model = PagedQwen3Next.from_transformers(hf)
+# per architecture: the rotary dims, and the state of one layer: (conv_dim, recurrent shape)
+SHAPES = {
+    "qwen3_next": (4, 2 * 2 * 8 + 4 * 8, (4, 8, 8)),  # q, k of 2 key heads, v of 4 value heads, 8 dims
+    "bamba": (8, 8 * 8 + 2 * 2 * 8, (8, 8, 8)),  # x of 8 heads of 8, B and C of 2 groups of state 8
+}
+
+
+def test_config_maps_to_the_layer_pattern_and_stores(arch, model):
+    rotary, conv_dim, recurrent = SHAPES[arch]
     d = model.dims
-    assert (d.attention_layers, d.linear_layers, d.rotary_dim) == ((2,), (0, 1, 3), 4)
+    assert (d.attention_layers, d.linear_layers, d.rotary_dim) == ((2,), (0, 1, 3), rotary)
     kv, states = model.new_stores(64, BLOCK)
     assert (kv.num_layers, states.num_layers, states.group) == (1, 3, 1)
-    conv_dim = 2 * 2 * 8 + 4 * 8  # q and k of 2 key heads, v of 4 value heads, 8 dims each
-    assert (states.conv_shape, states.recurrent_shape) == ((conv_dim, 3), (4, 8, 8))
-    assert states.bytes_per_block == 3 * (conv_dim * 3 + 4 * 8 * 8) * 4
+    assert (states.conv_shape, states.recurrent_shape) == ((conv_dim, 3), recurrent)
+    assert states.bytes_per_block == 3 * (conv_dim * 3 + int(np.prod(recurrent))) * 4
 
 
-def test_whole_prompt_prefill_of_a_batch_matches_transformers(hf):
+def test_whole_prompt_prefill_of_a_batch_matches_transformers(hf, model):
     """Three prompts in one forward (blocks from a shuffled pool): every position's logits."""
-    model = PagedQwen3Next.from_transformers(hf)
     r = Runner(model)
     prompts = prompts_of([5, 16, 23], seed=1)
     for i in range(len(prompts)):
@@ -197,12 +228,11 @@ def test_whole_prompt_prefill_of_a_batch_matches_transformers(hf):
 
 
 @pytest.mark.parametrize("chunk", [8, 5, 23])
-def test_chunked_prefill_and_decode_match_transformers_generate(hf, chunk):
+def test_chunked_prefill_and_decode_match_transformers_generate(hf, model, chunk):
     """Chunks of 8 end on interval ends (a new state block per chunk), chunks of 5 straddle
     them (updates in place and fresh blocks), 23 is the whole prompt; then 12 greedy tokens,
     each decode step reading the state the last one wrote, as transformers' generate (its own
     cache) produces them."""
-    model = PagedQwen3Next.from_transformers(hf)
     prompt = prompts_of([23], seed=2)[0]
     want_tokens, want_logits = hf_generate(hf, prompt, 12)
     r = Runner(model)
@@ -236,8 +266,7 @@ def restored_run(model, read_entry, via_host=False):
     return b, np.concatenate([rows, np.stack(more)]), toks
 
 
-def test_second_request_restores_a_checkpoint(hf):
-    model = PagedQwen3Next.from_transformers(hf)
+def test_second_request_restores_a_checkpoint(hf, model):
     b, got, toks = restored_run(model, read_entry=1)
     want = hf_logits(hf, b + toks[:-1])[16:]
     assert toks == np.argmax(want[len(b) - 17:], -1).tolist()
@@ -246,12 +275,11 @@ def test_second_request_restores_a_checkpoint(hf):
     np.testing.assert_allclose(host, got, atol=0, rtol=0)
 
 
-def test_fork_copies_the_running_state(hf):
+def test_fork_copies_the_running_state(hf, model):
     """Parent and child share a running state entry in mid-interval (12 positions, T = 8); in
     the same step each appends its own token: the child's first write copies the block
     (``CopyOp(src, dst, group=1)``), the parent updates in place; six steps each match
     transformers on the sequence's own tokens."""
-    model = PagedQwen3Next.from_transformers(hf)
     prompt = prompts_of([12], seed=4)[0]
     r = Runner(model)
     r.admit("p")
@@ -269,11 +297,10 @@ def test_fork_copies_the_running_state(hf):
                                    atol=ATOL, rtol=0)
 
 
-def test_negative_controls_diverge_from_transformers(hf):
+def test_negative_controls_diverge_from_transformers(hf, model):
     """A checkpoint one interval early (the state after position 7 for a hit at 16), a fork
     without the state copy (parent and child take turns writing the one shared block), and a
     zero state in chunk 2 (a block never written) all move the logits by more than 0.1."""
-    model = PagedQwen3Next.from_transformers(hf)
     b, early, toks = restored_run(model, read_entry=0)
     assert np.abs(early - hf_logits(hf, b + toks[:-1])[16:]).max() > 0.1
 
@@ -297,10 +324,9 @@ def test_negative_controls_diverge_from_transformers(hf):
     assert np.abs(chunk2 - hf_logits(hf, seq)[10:]).max() > 0.1
 
 
-def test_bad_state_ids_change_nothing(hf):
+def test_bad_state_ids_change_nothing(hf, model):
     """A -1 read after position 0, a block read at position 0, two writes of one block or an
     id outside the pool: ValueError before any K/V or state is written."""
-    model = PagedQwen3Next.from_transformers(hf)
     kv, states = model.new_stores(8, BLOCK)
     model.forward(kv, states, [1, 2, 3], [0, 1, 2], [[0]], [3], [3], state_read=[-1], state_write=[1])
     before = kv.kv.copy(), states.conv.copy(), states.recurrent.copy()

@@ -93,18 +93,20 @@ def l2norm(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
     return x / np.sqrt((x * x).sum(-1, keepdims=True) + eps)
 
 
-def causal_conv1d(x: np.ndarray, weight: np.ndarray, conv_state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def causal_conv1d(x: np.ndarray, weight: np.ndarray, conv_state: np.ndarray,
+                  bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The depthwise causal convolution with SiLU, continued from ``conv_state``.
 
     ``x`` is ``[tokens, channels]``, ``weight`` ``[channels, kernel]`` and ``conv_state``
     ``[channels, kernel - 1]`` (the inputs before this chunk, oldest first; zeros at position 0).
-    Output ``t`` is ``silu(sum_j weight[:, j] * xx[t + j])`` over ``xx = [conv_state, x]``, and
-    the new state is the last ``kernel - 1`` columns of ``xx``. Example (kernel 4): a decode step
-    reads the 3 inputs before it and its own, and leaves its own and the 2 before it.
+    Output ``t`` is ``silu(bias + sum_j weight[:, j] * xx[t + j])`` over ``xx = [conv_state,
+    x]``, and the new state is the last ``kernel - 1`` columns of ``xx``. Example (kernel 4): a
+    decode step reads the 3 inputs before it and its own, and leaves its own and the 2 before it.
+    Mamba2's convolution is the same one (with a bias).
     """
     tokens, kernel = x.shape[0], weight.shape[1]
     xx = np.concatenate([conv_state.T, x], axis=0)  # [kernel - 1 + tokens, channels]
-    out = np.zeros_like(x)
+    out = np.zeros_like(x) if bias is None else np.broadcast_to(np.asarray(bias, np.float64), x.shape).copy()
     for j in range(kernel):
         out += xx[j:j + tokens] * weight[:, j]
     return _silu(out), np.ascontiguousarray(xx[-(kernel - 1):].T)
