@@ -48,12 +48,18 @@ CONFIGS = {
         linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
         linear_num_value_heads=4, num_experts=0, layer_types=list(LAYERS),
         rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25})),
+    "qwen3_next_moe": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4, layer_types=list(LAYERS), num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1],
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25})),
     "bamba": ("BambaConfig", "BambaForCausalLM", dict(
         num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[LAYERS.index("full_attention")],
         mamba_n_heads=8, mamba_d_head="auto", mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
         mamba_expand=1, mamba_chunk_size=16)),
 }
-DECODERS = {"qwen3_next": PagedQwen3Next, "bamba": PagedBamba}
+DECODERS = {"qwen3_next": PagedQwen3Next, "qwen3_next_moe": PagedQwen3Next, "bamba": PagedBamba}
 
 
 def tiny_hybrid(arch: str, seed: int = 0):
@@ -202,6 +208,7 @@ class Runner:
 # per architecture: the rotary dims, and the state of one layer: (conv_dim, recurrent shape)
 SHAPES = {
     "qwen3_next": (4, 2 * 2 * 8 + 4 * 8, (4, 8, 8)),  # q, k of 2 key heads, v of 4 value heads, 8 dims
+    "qwen3_next_moe": (4, 2 * 2 * 8 + 4 * 8, (4, 8, 8)),
     "bamba": (8, 8 * 8 + 2 * 2 * 8, (8, 8, 8)),  # x of 8 heads of 8, B and C of 2 groups of state 8
 }
 
@@ -210,6 +217,7 @@ def test_config_maps_to_the_layer_pattern_and_stores(arch, model):
     rotary, conv_dim, recurrent = SHAPES[arch]
     d = model.dims
     assert (d.attention_layers, d.linear_layers, d.rotary_dim) == ((2,), (0, 1, 3), rotary)
+    assert getattr(model, "moe_layers", ()) == ((0, 2, 3) if arch == "qwen3_next_moe" else ())  # not [1]
     kv, states = model.new_stores(64, BLOCK)
     assert (kv.num_layers, states.num_layers, states.group) == (1, 3, 1)
     assert (states.conv_shape, states.recurrent_shape) == ((conv_dim, 3), recurrent)

@@ -8,8 +8,9 @@ K/V through the paged store, states through the state store's blocks) is
 transformers writes it (``modeling_qwen3_next``): RMSNorms that scale by ``1 + weight``;
 attention whose ``q_proj`` yields a query and an output gate per head (the output is multiplied
 by ``sigmoid(gate)``), RMSNorms on q and k per head, rotary embeddings on the first
-``partial_rotary_factor`` of each head's dims; the DeltaNet mixer; a dense SwiGLU MLP (configs
-with ``num_experts`` 0, or every layer in ``mlp_only_layers``).
+``partial_rotary_factor`` of each head's dims; the DeltaNet mixer; a dense SwiGLU MLP or the
+sparse mixture of experts with a shared expert (``num_experts``, ``num_experts_per_tok``,
+``mlp_only_layers``, ``decoder_sparse_step``).
 """
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ import numpy as np
 
 from .deltanet import DeltaNetDims, gated_deltanet
 from .model import _cfg
-from .state_hybrid import FULL, LINEAR, HybridDims, PagedStateHybrid
+from .state_hybrid import FULL, LINEAR, HybridDims, PagedStateHybrid, silu
 
-__all__ = ["PagedQwen3Next", "qwen3_next_dims"]
+__all__ = ["PagedQwen3Next", "moe_layers", "qwen3_next_dims"]
 
 
 def qwen3_next_dims(config: Any) -> HybridDims:
@@ -41,9 +42,6 @@ def qwen3_next_dims(config: Any) -> HybridDims:
         types = [LINEAR if (i + 1) % interval else FULL for i in range(num_layers)]
     if len(types) != num_layers:
         raise ValueError(f"layer_types must list one type per layer ({num_layers}), got {types!r}")
-    experts, dense = _cfg(config, "num_experts", 0) or 0, set(_cfg(config, "mlp_only_layers") or ())
-    if experts and not dense.issuperset(range(num_layers)):
-        raise ValueError("only dense MLPs are implemented: use num_experts=0 or list every layer in mlp_only_layers")
     if _cfg(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"Qwen3-Next's MLP uses silu, config has {_cfg(config, 'hidden_act')!r}")
     rope = _cfg(config, "rope_parameters") or {}
@@ -63,6 +61,16 @@ def qwen3_next_dims(config: Any) -> HybridDims:
                       rms_norm_eps=eps)
 
 
+def moe_layers(config: Any) -> tuple[int, ...]:
+    """The layers whose MLP is Qwen3-Next's sparse mixture of experts (transformers' rule: not in
+    ``mlp_only_layers``, ``num_experts > 0`` and ``(i + 1) % decoder_sparse_step == 0``).
+    Example: 4 experts, ``decoder_sparse_step`` 1, ``mlp_only_layers`` [1]: layers (0, 2, 3)."""
+    experts, step = int(_cfg(config, "num_experts", 0) or 0), int(_cfg(config, "decoder_sparse_step", 1) or 1)
+    dense = set(_cfg(config, "mlp_only_layers") or ())
+    return tuple(i for i in range(int(_cfg(config, "num_hidden_layers")))
+                 if experts > 0 and i not in dense and (i + 1) % step == 0)
+
+
 class PagedQwen3Next(PagedStateHybrid):
     """Qwen3-Next over a paged K/V store and a state store. ``forward`` is one engine step.
 
@@ -77,9 +85,45 @@ class PagedQwen3Next(PagedStateHybrid):
     norm_offset = 1.0  # Qwen3-Next's RMSNorm scales by 1 + weight (weights initialised to 0)
     architecture = "Qwen3-Next"
 
+    def __init__(self, state_dict: Any, config: Any) -> None:
+        self.moe_layers = moe_layers(config)
+        self.experts_per_token = int(_cfg(config, "num_experts_per_tok", 1) or 1)
+        self.norm_topk_prob = bool(_cfg(config, "norm_topk_prob", True))
+        super().__init__(state_dict, config)
+
     @classmethod
     def dims_from_config(cls, config: Any) -> HybridDims:
         return qwen3_next_dims(config)
+
+    def _mlp_weights(self, layer: int) -> list[str]:
+        if layer not in self.moe_layers:
+            return super()._mlp_weights(layer)
+        return ["gate.weight", "experts.gate_up_proj", "experts.down_proj", "shared_expert_gate.weight"] \
+            + [f"shared_expert.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
+
+    def _mlp(self, layer: int, p: str, x: np.ndarray) -> np.ndarray:
+        """The dense MLP, or ``Qwen3NextSparseMoeBlock``: a softmax router picks the top
+        ``experts_per_token`` experts per token (their weights renormalised to sum to 1 when
+        ``norm_topk_prob``), each a SwiGLU of ``gate_up_proj`` and ``down_proj``, plus a shared
+        expert scaled by ``sigmoid(shared_expert_gate(x))``."""
+        if layer not in self.moe_layers:
+            return super()._mlp(layer, p, x)
+        logits = x @ self.w[p + "gate.weight"].T
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        top = np.argsort(-probs, axis=-1, kind="stable")[:, :self.experts_per_token]
+        weights = np.take_along_axis(probs, top, -1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdims=True)
+        gate_up, down = self.w[p + "experts.gate_up_proj"], self.w[p + "experts.down_proj"]
+        out = np.zeros_like(x)
+        for e in np.unique(top).tolist():
+            rows, rank = np.nonzero(top == e)
+            gate, up = np.split(x[rows] @ gate_up[e].T, 2, axis=-1)
+            out[rows] += (silu(gate) * up) @ down[e].T * weights[rows, rank][:, None]
+        shared = super()._mlp(layer, p + "shared_expert.", x)
+        with np.errstate(over="ignore"):
+            return out + shared / (1.0 + np.exp(-(x @ self.w[p + "shared_expert_gate.weight"].T)))
 
     def _layer_weights(self, kind: str) -> list[str]:
         if kind == LINEAR:

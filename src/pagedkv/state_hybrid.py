@@ -104,8 +104,9 @@ class PagedStateHybrid:
 
     A subclass sets the weight names (``mixer_prefix``, ``mlp_prefix``, ``post_norm``,
     ``final_norm``), ``norm_offset`` (1.0 where RMSNorm scales by ``1 + weight``), and defines
-    ``dims_from_config``, ``_layer_weights`` (the names a layer needs), ``_attention`` and
-    ``_mix`` (the recurrent layer for one sequence's chunk).
+    ``dims_from_config``, ``_layer_weights`` (the names a layer's token mixer needs),
+    ``_attention`` and ``_mix`` (the recurrent layer for one sequence's chunk); a model with
+    other MLPs overrides ``_mlp_weights`` and ``_mlp``.
     """
 
     mixer_prefix = "linear_attn."
@@ -146,8 +147,8 @@ class PagedStateHybrid:
         for i, kind in enumerate(self.dims.layer_types):
             p = f"model.layers.{i}."
             want |= {p + name for name in self._layer_weights(kind)}
-            want |= {p + n + ".weight" for n in ("input_layernorm", self.post_norm, self.mlp_prefix + "gate_proj",
-                                                 self.mlp_prefix + "up_proj", self.mlp_prefix + "down_proj")}
+            want |= {p + n + ".weight" for n in ("input_layernorm", self.post_norm)}
+            want |= {p + self.mlp_prefix + name for name in self._mlp_weights(i)}
         missing = sorted(want - set(sd))
         if missing:
             raise ValueError(f"state dict lacks {len(missing)} {self.architecture} weights, e.g. {missing[:3]}")
@@ -237,7 +238,7 @@ class PagedStateHybrid:
             else:
                 x = x + self._recurrent(d.linear_layers.index(i), p + self.mixer_prefix, h, state_store,
                                         reads, writes, starts, qlens)
-            x = x + self._mlp(p + self.mlp_prefix, self._norm(x, p + self.post_norm))
+            x = x + self._mlp(i, p + self.mlp_prefix, self._norm(x, p + self.post_norm))
         x = self._norm(x, self.final_norm)
         return (x @ self.w["lm_head.weight"].T).astype(np.float32)
 
@@ -285,7 +286,12 @@ class PagedStateHybrid:
         states.write(layer, writes, new_conv, new_rec)
         return out
 
-    def _mlp(self, p: str, x: np.ndarray) -> np.ndarray:
+    def _mlp_weights(self, layer: int) -> list[str]:
+        """The names of layer ``layer``'s MLP weights (after the MLP prefix): a dense SwiGLU's."""
+        return ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
+
+    def _mlp(self, layer: int, p: str, x: np.ndarray) -> np.ndarray:
+        """The SwiGLU MLP, ``down(silu(gate(x)) * up(x))``."""
         return self._linear(silu(self._linear(x, p + "gate_proj")) * self._linear(x, p + "up_proj"), p + "down_proj")
 
     # ---- argument checks
