@@ -349,5 +349,11 @@ def test_bad_state_ids_change_nothing(hf, model):
     with pytest.raises(ValueError, match="distinct"):
         model.forward(kv, states, [6, 7], [4, 5], [[2], [3]], [1, 1], [1, 1], state_read=[-1, -1],
                       state_write=[3, 3])
+    with pytest.raises(ValueError, match="state store has"):  # a store shaped for another model
+        other = type(states)(2, 8, conv_shape=states.conv_shape, recurrent_shape=states.recurrent_shape)
+        model.forward(kv, other, [6], [4], [[1]], [1], state_read=[-1], state_write=[3])
     after = kv.kv, states.conv, states.recurrent
     assert all(np.array_equal(x, y) for x, y in zip(before, after))
+    weights = {k: v for k, v in hf.state_dict().items() if ".3." not in k}
+    with pytest.raises(ValueError, match="lacks"):
+        type(model).from_state_dict(weights, hf.config)
