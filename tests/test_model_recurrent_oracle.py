@@ -332,6 +332,23 @@ def test_negative_controls_diverge_from_transformers(hf, model):
     assert np.abs(chunk2 - hf_logits(hf, seq)[10:]).max() > 0.1
 
 
+def test_a_torch_state_store_gives_the_same_logits(hf, model):
+    """The same chunked prefill and decode with the states in a torch store (on the GPU when
+    there is one): the decoder reads and writes it through the same calls."""
+    prompt = prompts_of([13], seed=6)[0]
+    runs = []
+    for backend in ({}, dict(backend="torch", device="cuda" if torch.cuda.is_available() else "cpu")):
+        r = Runner(model)
+        s = r.states
+        r.states = type(s)(s.num_layers, s.num_blocks, conv_shape=s.conv_shape, recurrent_shape=s.recurrent_shape,
+                           group=s.group, **backend)
+        r.admit("a")
+        prefill = r.prefill("a", prompt, 5)
+        runs.append(np.concatenate([prefill, np.stack(r.greedy("a", int(np.argmax(prefill[-1])), 4)[1])]))
+    np.testing.assert_allclose(runs[1], runs[0], atol=1e-6, rtol=0)
+    np.testing.assert_allclose(runs[0][:13], hf_logits(hf, prompt), atol=ATOL, rtol=0)
+
+
 def test_bad_state_ids_change_nothing(hf, model):
     """A -1 read after position 0, a block read at position 0, two writes of one block or an
     id outside the pool: ValueError before any K/V or state is written."""

@@ -89,6 +89,13 @@ def numpy_weight(value: Any) -> np.ndarray:
     return np.array(value, dtype=np.float32)
 
 
+def _float64(x: Any) -> np.ndarray:
+    """A state store's array (numpy, or torch on any device) as float64 numpy."""
+    if _is_torch(x):
+        x = x.detach().cpu().double().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
 def silu(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):  # exp(-x) overflows to inf for x << 0: x / inf = -0, correct
         return x / (1.0 + np.exp(-x))
@@ -174,7 +181,8 @@ class PagedStateHybrid:
                    state_group: int = 1) -> tuple[KVStore, StateStore]:
         """A K/V store for the attention layers and a state store for the recurrent layers, both
         indexed by the manager's ``num_blocks`` block ids (one pool: an id serves one group at
-        a time), float32; ``state_group`` is the manager's index of the state group."""
+        a time), float32 numpy; ``state_group`` is the manager's index of the state group. (A
+        torch state store, ``StateStore(..., backend="torch")`` on any device, works as well.)"""
         d = self.dims
         kv = KVStore(len(d.attention_layers), num_blocks, block_size, d.num_kv_heads, d.head_dim,
                      host_blocks=host_blocks)
@@ -277,12 +285,12 @@ class PagedStateHybrid:
         """One recurrent layer for the batch: every sequence's initial state read first, each
         sequence's chunk run from it (:meth:`_mix`), every final state written last."""
         w = {k[len(p):]: v for k, v in self.w.items() if k.startswith(p)}
-        conv, rec = states.read(layer, reads)
+        conv, rec = (_float64(a) for a in states.read(layer, reads))
         out = np.empty_like(x)
         new_conv, new_rec = np.empty_like(conv), np.empty_like(rec)
         for s, (start, n) in enumerate(zip(starts.tolist(), qlens.tolist())):
             out[start:start + n], new_conv[s], new_rec[s] = self._mix(
-                w, x[start:start + n], conv[s].astype(np.float64), rec[s].astype(np.float64))
+                w, x[start:start + n], conv[s], rec[s])
         states.write(layer, writes, new_conv, new_rec)
         return out
 

@@ -16,9 +16,10 @@ an id holds a state only while the state group owns it. Worked size: the test mo
 layers (conv state ``[64, 3]``, recurrent ``[4, 8, 8]``) in float32 take ``3 * (192 + 256) * 4 =
 5,376`` bytes per block; Qwen3-Next-80B's 36 take 36 x 2.09 MiB = 75.4 MiB.
 
-numpy only. ``host_blocks=N`` adds a host pool of the same layout (``host_conv``,
-``host_recurrent``) for the manager's host tier; :meth:`StateStore.transfer` runs the list
-``take_transfers()`` returned.
+numpy is the default backend; ``backend="torch"`` keeps the arrays in torch (imported only then)
+on ``device``. ``host_blocks=N`` adds a host pool of the same layout (``host_conv``,
+``host_recurrent``; numpy, or CPU torch tensors, pinned when the device pool is on a GPU) for the
+manager's host tier; :meth:`StateStore.transfer` runs the list ``take_transfers()`` returned.
 """
 from __future__ import annotations
 
@@ -26,12 +27,12 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from .store import _as_index, _check_range, _copy_waves
+from .store import _as_index, _check_range, _copy_waves, _torch
 from .types import TO_DEVICE, TO_HOST
 
 __all__ = ["StateStore"]
 
-_DTYPES = ("float16", "float32", "float64")
+_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def _check_positive_int(name: str, value: Any, minimum: int = 1) -> None:
@@ -52,7 +53,7 @@ class StateStore:
 
     def __init__(self, num_layers: int, num_blocks: int, *, conv_shape: Sequence[int],
                  recurrent_shape: Sequence[int], dtype: str = "float32", host_blocks: int = 0,
-                 group: int = 1) -> None:
+                 group: int = 1, backend: str = "numpy", device: str = "cpu") -> None:
         for name, v in (("num_layers", num_layers), ("num_blocks", num_blocks)):
             _check_positive_int(name, v)
         for name, shape in (("conv_shape", conv_shape), ("recurrent_shape", recurrent_shape)):
@@ -64,16 +65,46 @@ class StateStore:
         _check_positive_int("group", group, 1)  # group 0 is always an attention group
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
+        if backend not in ("numpy", "torch"):
+            raise ValueError(f"backend must be 'numpy' or 'torch', got {backend!r}")
+        if backend == "numpy" and (dtype == "bfloat16" or device != "cpu"):
+            raise ValueError("the numpy backend lives on the cpu and has no bfloat16; use backend='torch'")
+        self.backend, self.device = backend, device
+        self._t = _torch() if backend == "torch" else None
         self.num_layers, self.num_blocks, self.group = int(num_layers), int(num_blocks), int(group)
         self.conv_shape = tuple(int(v) for v in conv_shape)
         self.recurrent_shape = tuple(int(v) for v in recurrent_shape)
         self.dtype, self.host_blocks = dtype, int(host_blocks)
         self.conv, self.recurrent = self._pool(self.num_blocks)
-        self.host_conv, self.host_recurrent = self._pool(self.host_blocks) if host_blocks else (None, None)
+        self.host_conv, self.host_recurrent = self._pool(self.host_blocks, host=True) if host_blocks else (None, None)
 
-    def _pool(self, blocks: int) -> tuple[np.ndarray, np.ndarray]:
-        return (np.zeros((self.num_layers, blocks, *self.conv_shape), dtype=self.dtype),
-                np.zeros((self.num_layers, blocks, *self.recurrent_shape), dtype=self.dtype))
+    def _zeros(self, shape: tuple, host: bool = False):
+        if self._t is None:
+            return np.zeros(shape, dtype=self.dtype)
+        t = self._t
+        if not host:
+            return t.zeros(shape, dtype=getattr(t, self.dtype), device=self.device)
+        pin = t.device(self.device).type == "cuda"  # page-locked, so host<->device copies can run async
+        return t.zeros(shape, dtype=getattr(t, self.dtype), device="cpu", pin_memory=pin)
+
+    def _pool(self, blocks: int, host: bool = False) -> tuple[Any, Any]:
+        return (self._zeros((self.num_layers, blocks, *self.conv_shape), host),
+                self._zeros((self.num_layers, blocks, *self.recurrent_shape), host))
+
+    def _index(self, idx: np.ndarray, host: bool = False):
+        """Block ids as the backend indexes with them (a tensor on the pool's device for torch)."""
+        if self._t is None:
+            return idx
+        return self._t.from_numpy(np.ascontiguousarray(idx, dtype=np.int64)).to("cpu" if host else self.device)
+
+    def _like_pool(self, x: Any):
+        """``x`` (numpy or torch) in the pool's backend, dtype and device."""
+        if self._t is None:
+            if type(x).__module__.startswith("torch"):
+                x = x.detach().cpu().float().numpy()
+            return np.asarray(x, dtype=self.dtype)
+        return self._t.as_tensor(np.asarray(x) if isinstance(x, (list, tuple)) else x,
+                                 dtype=getattr(self._t, self.dtype), device=self.device)
 
     # ---- sizes
 
@@ -81,7 +112,7 @@ class StateStore:
     def bytes_per_block(self) -> int:
         """Bytes one block holds across all layers: what one copy or one transfer moves."""
         values = int(np.prod(self.conv_shape)) + int(np.prod(self.recurrent_shape))
-        return self.num_layers * values * np.dtype(self.dtype).itemsize
+        return self.num_layers * values * (2 if self.dtype == "bfloat16" else np.dtype(self.dtype).itemsize)
 
     @property
     def nbytes(self) -> int:
@@ -116,21 +147,22 @@ class StateStore:
         ``[n, *recurrent_shape]`` (copies), zeros where a block is -1."""
         self._check_layer(layer)
         idx = self.check_reads(blocks)
-        live = idx >= 0
-        conv = np.zeros((idx.size, *self.conv_shape), dtype=self.dtype)
-        rec = np.zeros((idx.size, *self.recurrent_shape), dtype=self.dtype)
-        conv[live], rec[live] = self.conv[layer, idx[live]], self.recurrent[layer, idx[live]]
+        rows = self._index(np.nonzero(idx >= 0)[0])
+        blocks = self._index(idx[idx >= 0])
+        conv, rec = self._zeros((idx.size, *self.conv_shape)), self._zeros((idx.size, *self.recurrent_shape))
+        conv[rows], rec[rows] = self.conv[layer, blocks], self.recurrent[layer, blocks]
         return conv, rec
 
     def write(self, layer: int, blocks: Any, conv: Any, recurrent: Any) -> None:
         """Store a batch's final states in one layer: sequence i's at ``blocks[i]``."""
         self._check_layer(layer)
         idx = self.check_writes(blocks)
-        conv, recurrent = np.asarray(conv), np.asarray(recurrent)
-        if conv.shape != (idx.size, *self.conv_shape) or recurrent.shape != (idx.size, *self.recurrent_shape):
-            raise ValueError(f"states must be {(idx.size, *self.conv_shape)} and "
-                             f"{(idx.size, *self.recurrent_shape)}, got {conv.shape} and {recurrent.shape}")
-        self.conv[layer, idx], self.recurrent[layer, idx] = conv, recurrent
+        conv, recurrent = self._like_pool(conv), self._like_pool(recurrent)
+        if tuple(conv.shape) != (idx.size, *self.conv_shape) or tuple(recurrent.shape) != (idx.size, *self.recurrent_shape):
+            raise ValueError(f"states must be {(idx.size, *self.conv_shape)} and {(idx.size, *self.recurrent_shape)}, "
+                             f"got {tuple(conv.shape)} and {tuple(recurrent.shape)}")
+        where = self._index(idx)
+        self.conv[layer, where], self.recurrent[layer, where] = conv, recurrent
 
     # ---- copies and transfers
 
@@ -150,7 +182,7 @@ class StateStore:
             raise ValueError(f"copy_ops must be (src, dst) pairs, got shape {pairs.shape}")
         _check_range(pairs, self.num_blocks, "copy_ops block ids")
         for start, end in _copy_waves(pairs):
-            src, dst = pairs[start:end, 0], pairs[start:end, 1]
+            src, dst = self._index(pairs[start:end, 0]), self._index(pairs[start:end, 1])
             self.conv[:, dst], self.recurrent[:, dst] = self.conv[:, src], self.recurrent[:, src]
         return len(pairs) * self.bytes_per_block
 
@@ -181,8 +213,12 @@ class StateStore:
         for what, dst in ((TO_HOST, out[:, 1]), (TO_DEVICE, into[:, 1])):
             if np.unique(dst).size != dst.size:
                 raise ValueError(f"a block is the destination of two {what!r} transfers")
-        self.host_conv[:, out[:, 1]] = self.conv[:, out[:, 0]]
-        self.host_recurrent[:, out[:, 1]] = self.recurrent[:, out[:, 0]]
-        self.conv[:, into[:, 1]] = self.host_conv[:, into[:, 0]]
-        self.recurrent[:, into[:, 1]] = self.host_recurrent[:, into[:, 0]]
+        to_cpu = (lambda x: x) if self._t is None else (lambda x: x.to("cpu"))
+        to_device = (lambda x: x) if self._t is None else (lambda x: x.to(self.device, non_blocking=True))
+        device_src, host_dst = self._index(out[:, 0]), self._index(out[:, 1], host=True)
+        self.host_conv[:, host_dst] = to_cpu(self.conv[:, device_src])
+        self.host_recurrent[:, host_dst] = to_cpu(self.recurrent[:, device_src])
+        host_src, device_dst = self._index(into[:, 0], host=True), self._index(into[:, 1])
+        self.conv[:, device_dst] = to_device(self.host_conv[:, host_src])
+        self.recurrent[:, device_dst] = to_device(self.host_recurrent[:, host_src])
         return (len(out) + len(into)) * self.bytes_per_block
