@@ -7,8 +7,8 @@ their initial values so that a wrong ``1 + weight``, a wrong gate or a lost stat
 0.02 .. 0.5: the states decay slowly, so a stale or missing state moves the logits by a lot).
 The decoder keeps nothing between steps: K/V live in the paged store at the slots the test's
 allocator hands out, and every recurrent state lives in a state-store block named by the
-(read, write) ids the contract's ``state_indices`` gives (``recurrent_setup.Runner`` applies its rule:
-read entry (a-1)//T, write entry (b-1)//T, a fresh block when they differ). Block ids come from
+(read, write) ids the contract's ``state_indices`` gives (``recurrent_setup.Runner`` applies
+its rule: read entry (a-1)//T, write entry (b-1)//T, a fresh block when they differ). Block ids come from
 one shuffled pool shared by both stores' groups, as the manager's. Equal greedy tokens and logits
 within 1e-4 (measured under 1e-5) through prefill, chunked prefill, decode, a checkpoint restored
 for a second request (also through the host pool) and a fork that copies the running state mean

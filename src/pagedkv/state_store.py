@@ -158,9 +158,10 @@ class StateStore:
         self._check_layer(layer)
         idx = self.check_writes(blocks)
         conv, recurrent = self._like_pool(conv), self._like_pool(recurrent)
-        if tuple(conv.shape) != (idx.size, *self.conv_shape) or tuple(recurrent.shape) != (idx.size, *self.recurrent_shape):
-            raise ValueError(f"states must be {(idx.size, *self.conv_shape)} and {(idx.size, *self.recurrent_shape)}, "
-                             f"got {tuple(conv.shape)} and {tuple(recurrent.shape)}")
+        want = (idx.size, *self.conv_shape), (idx.size, *self.recurrent_shape)
+        if (tuple(conv.shape), tuple(recurrent.shape)) != want:
+            raise ValueError(f"states must be {want[0]} and {want[1]}, got {tuple(conv.shape)} and "
+                             f"{tuple(recurrent.shape)}")
         where = self._index(idx)
         self.conv[layer, where], self.recurrent[layer, where] = conv, recurrent
 
