@@ -123,9 +123,10 @@ class Runner:
         entries[(b - 1) // INTERVAL] = write
         return read, write
 
-    def step(self, chunks, reads=None):
+    def step(self, chunks, reads=None, snapshots=None):
         """One forward for ``{seq: tokens}`` (the sequence's next tokens); ``reads`` overrides a
-        sequence's state read (a negative control). Returns ``{seq: logits [n, vocab]}``."""
+        sequence's state read (a negative control), ``snapshots`` gives a sequence's
+        ``state_snapshots`` entry. Returns ``{seq: logits [n, vocab]}``."""
         ids, slots, lens, qlens, rd, wr = [], [], [], [], [], []
         for seq, toks in chunks.items():
             a = len(self.tokens[seq])
@@ -148,12 +149,20 @@ class Runner:
         for i, s in enumerate(chunks):
             tables[i, :len(self.tables[s])] = self.tables[s]
         rd, wr = np.asarray(rd, dtype=np.int32), np.asarray(wr, dtype=np.int32)  # as state_indices
+        snaps = None if snapshots is None else [snapshots.get(s) for s in chunks]
         logits = self.model.forward(self.kv, self.states, ids, slots, tables, lens, qlens,
-                                    state_read=rd, state_write=wr)
+                                    state_read=rd, state_write=wr, state_snapshots=snaps)
         out, at = {}, 0
         for s, n in zip(chunks, qlens):
             out[s], at = logits[at:at + n], at + n
         return out
+
+    def rollback(self, seq, keep, entry_block):
+        """Keep the sequence's first ``keep`` tokens (rejected drafts dropped: their K/V slots are
+        written again later) and make ``entry_block`` the running state entry (the state after
+        position ``keep - 1``)."""
+        self.tokens[seq] = self.tokens[seq][:keep]
+        self.entries[seq] = {(keep - 1) // INTERVAL: entry_block}
 
     def fork(self, parent, child):
         """The child shares every K/V block and every state entry (the K/V tail here is full)."""

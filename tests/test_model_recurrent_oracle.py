@@ -154,6 +154,34 @@ def test_fork_copies_the_running_state(hf, model):
                                    atol=ATOL, rtol=0)
 
 
+def verify_then_continue(hf, model, read_final=False):
+    """A 13-token prompt, then a verify step of its next token and three drafts (positions 13 ..
+    16: the right token at 14, wrong ones at 15 and 16) that keeps the state after 13, 14 and 15
+    in blocks of their own (``state_snapshots``); the draft at 14 is accepted, so the next step
+    computes position 15 with the right token from the state after 14 (or, ``read_final``, from
+    the verify step's final state, which has seen the rejected drafts)."""
+    prompt = prompts_of([13], seed=7)[0]
+    t0 = int(np.argmax(hf_logits(hf, prompt)[-1]))
+    t1 = int(np.argmax(hf_logits(hf, prompt + [t0])[-1]))
+    t2 = int(np.argmax(hf_logits(hf, prompt + [t0, t1])[-1]))
+    verify = [t0, t1, (t2 + 1) % 256, (t2 + 2) % 256]
+    r = Runner(model)
+    r.admit("a")
+    r.step({"a": prompt})
+    kept = [r.block(), r.block(), r.block(), -1]
+    rows = r.step({"a": verify}, snapshots={"a": kept})["a"]
+    assert int(np.argmax(rows[1])) == t2 != verify[2]  # the draft at 15 is rejected
+    r.rollback("a", len(prompt) + 2, r.entries["a"][16 // INTERVAL] if read_final else kept[1])
+    nxt = r.step({"a": [t2]})["a"]
+    return prompt, verify, rows, [t0, t1, t2], nxt
+
+
+def test_a_verify_step_keeps_the_state_of_each_draft(hf, model):
+    prompt, verify, rows, accepted, nxt = verify_then_continue(hf, model)
+    np.testing.assert_allclose(rows, hf_logits(hf, prompt + verify)[13:], atol=ATOL, rtol=0)
+    np.testing.assert_allclose(nxt[-1], hf_logits(hf, prompt + accepted)[-1], atol=ATOL, rtol=0)
+
+
 def test_negative_controls_diverge_from_transformers(hf, model):
     """A checkpoint one interval early (the state after position 7 for a hit at 16), a fork
     without the state copy (parent and child take turns writing the one shared block), and a
@@ -172,6 +200,9 @@ def test_negative_controls_diverge_from_transformers(hf, model):
     assert np.abs(child[-1] - hf_logits(hf, prompt + [21])[-1]).max() > 0.1
     with pytest.raises(ValueError, match="distinct"):  # in one step: two writes of one block
         r.step({"p": [12], "c": [22]})
+
+    prompt, _, _, accepted, stale = verify_then_continue(hf, model, read_final=True)
+    assert np.abs(stale[-1] - hf_logits(hf, prompt + accepted)[-1]).max() > 0.1
 
     seq = prompts_of([20], seed=5)[0]
     r = Runner(model)
@@ -215,6 +246,10 @@ def test_bad_state_ids_change_nothing(hf, model):
     with pytest.raises(ValueError, match="distinct"):
         model.forward(kv, states, [6, 7], [4, 5], [[2], [3]], [1, 1], [1, 1], state_read=[-1, -1],
                       state_write=[3, 3])
+    for snapshots, match in (([[4, 1]], "distinct"), ([[4]], "one block per new token"),
+                             ([[4, 9]], r"state_snapshots\[0\] must hold"), ([None, None], "one entry per")):
+        with pytest.raises(ValueError, match=match):
+            model.forward(kv, states, **step, state_read=[1], state_write=[1], state_snapshots=snapshots)
     with pytest.raises(ValueError, match="state store has"):  # a store shaped for another model
         other = type(states)(2, 8, conv_shape=states.conv_shape, recurrent_shape=states.recurrent_shape)
         model.forward(kv, other, [6], [4], [[1]], [1], state_read=[-1], state_write=[3])

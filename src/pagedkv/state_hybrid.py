@@ -208,7 +208,7 @@ class PagedStateHybrid:
 
     def forward(self, kv_store: KVStore, state_store: StateStore, token_ids: Any, slots: Any,
                 block_tables: Any, seq_lens: Any, query_lens: Any = None, *,
-                state_read: Any, state_write: Any) -> np.ndarray:
+                state_read: Any, state_write: Any, state_snapshots: Any = None) -> np.ndarray:
         """Run a ragged batch of new tokens; return their logits, ``[len(token_ids), vocab]`` float32.
 
         Tokens, ``slots``, ``block_tables`` ``[batch, blocks]``, ``seq_lens`` and ``query_lens``
@@ -222,10 +222,18 @@ class PagedStateHybrid:
         raises ``ValueError`` before anything is written. Example (interval 8): a prompt of 20
         in chunks of 8 and 12 passes ``(-1, s0)`` then ``(s0, s1)``; a decode step after it
         ``(s1, s1)``.
+
+        ``state_snapshots`` (optional, for a step that verifies draft tokens) gives, per sequence,
+        None or one block per new token: the state after that token is written there too (-1:
+        not kept). A verify step of a token and 3 drafts at positions 20 .. 23 with
+        ``[-1, b1, b2, -1]`` keeps the states after 21 and 22, so that when one draft is
+        accepted the next step reads ``b1`` (the state after 21), not the final one. Every block
+        a step writes (``state_write`` and snapshots) is distinct.
         """
         self._check_stores(kv_store, state_store)
         ids, lens, qlens, reads, writes = self._check_step(token_ids, slots, seq_lens, query_lens,
                                                            state_read, state_write, state_store)
+        snapshots = self._check_snapshots(state_snapshots, qlens, writes, state_store)
         kv_store.check_batch(slots, block_tables, lens, qlens)
         positions = np.repeat(lens - qlens, qlens) + _ranks(qlens)
         starts = np.cumsum(qlens) - qlens
@@ -245,7 +253,7 @@ class PagedStateHybrid:
                 x = x + self._attention(p + "self_attn.", h, rope, paged)
             else:
                 x = x + self._recurrent(d.linear_layers.index(i), p + self.mixer_prefix, h, state_store,
-                                        reads, writes, starts, qlens)
+                                        reads, writes, snapshots, starts, qlens)
             x = x + self._mlp(i, p + self.mlp_prefix, self._norm(x, p + self.post_norm))
         x = self._norm(x, self.final_norm)
         return (x @ self.w["lm_head.weight"].T).astype(np.float32)
@@ -281,17 +289,27 @@ class PagedStateHybrid:
         return np.concatenate([rot * cos + rotated * sin, rest], -1)
 
     def _recurrent(self, layer: int, p: str, x: np.ndarray, states: StateStore, reads: np.ndarray,
-                   writes: np.ndarray, starts: np.ndarray, qlens: np.ndarray) -> np.ndarray:
+                   writes: np.ndarray, snapshots: list, starts: np.ndarray, qlens: np.ndarray) -> np.ndarray:
         """One recurrent layer for the batch: every sequence's initial state read first, each
-        sequence's chunk run from it (:meth:`_mix`), every final state written last."""
+        sequence's chunk run from it (:meth:`_mix`), every final state (and snapshot) written
+        last. A sequence with snapshots runs its chunk in pieces that end after each kept token:
+        a piece run from the state the previous one left is the same computation."""
         w = {k[len(p):]: v for k, v in self.w.items() if k.startswith(p)}
         conv, rec = (_float64(a) for a in states.read(layer, reads))
         out = np.empty_like(x)
-        new_conv, new_rec = np.empty_like(conv), np.empty_like(rec)
+        final, kept = [], []  # (conv, recurrent) per sequence; (block, conv, recurrent) per snapshot
         for s, (start, n) in enumerate(zip(starts.tolist(), qlens.tolist())):
-            out[start:start + n], new_conv[s], new_rec[s] = self._mix(
-                w, x[start:start + n], conv[s], rec[s])
-        states.write(layer, writes, new_conv, new_rec)
+            c, r, lo = conv[s], rec[s], 0
+            keep = {} if snapshots[s] is None else {j: b for j, b in enumerate(snapshots[s]) if b >= 0}
+            for hi in sorted({j + 1 for j in keep} | {n}):
+                out[start + lo:start + hi], c, r = self._mix(w, x[start + lo:start + hi], c, r)
+                if hi - 1 in keep:
+                    kept.append((keep[hi - 1], c, r))
+                lo = hi
+            final.append((c, r))
+        blocks = writes.tolist() + [b for b, _, _ in kept]
+        states.write(layer, blocks, np.stack([c for c, _ in final] + [c for _, c, _ in kept]),
+                     np.stack([r for _, r in final] + [r for _, _, r in kept]))
         return out
 
     def _mlp_weights(self, layer: int) -> list[str]:
@@ -303,6 +321,30 @@ class PagedStateHybrid:
         return self._linear(silu(self._linear(x, p + "gate_proj")) * self._linear(x, p + "up_proj"), p + "down_proj")
 
     # ---- argument checks
+
+    @staticmethod
+    def _check_snapshots(snapshots: Any, qlens: np.ndarray, writes: np.ndarray, states: StateStore) -> list:
+        """``state_snapshots`` as one entry per sequence (None, or an int list of one block per new
+        token), every block written in the step distinct."""
+        if snapshots is None:
+            return [None] * len(qlens)
+        if isinstance(snapshots, (str, bytes)) or len(snapshots) != len(qlens):
+            raise ValueError(f"state_snapshots needs one entry per sequence ({len(qlens)})")
+        out, kept = [], []
+        for i, (entry, n) in enumerate(zip(snapshots, qlens.tolist())):
+            if entry is None:
+                out.append(None)
+                continue
+            blocks = np.asarray(entry).reshape(-1)
+            if blocks.size and (blocks.dtype.kind not in "iu" or blocks.min() < -1 or blocks.max() >= states.num_blocks):
+                raise ValueError(f"state_snapshots[{i}] must hold block ids in [-1, {states.num_blocks}), "
+                                 f"got {blocks.tolist()}")
+            if blocks.size != n:
+                raise ValueError(f"state_snapshots[{i}] needs one block per new token ({n}), got {blocks.size}")
+            out.append(blocks.tolist())
+            kept += [b for b in blocks.tolist() if b >= 0]
+        states.check_writes(np.concatenate([writes, np.asarray(kept, dtype=np.int64)]))
+        return out
 
     def _check_step(self, token_ids, slots, seq_lens, query_lens, state_read, state_write, states):
         ids = np.asarray(token_ids)
