@@ -24,17 +24,17 @@ CONFIGS = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
         linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
         linear_num_value_heads=4, num_experts=0, layer_types=list(LAYERS),
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25})),
+        rope_theta=500.0, partial_rotary_factor=0.25)),
     "qwen3_next_moe": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
         linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
         linear_num_value_heads=4, layer_types=list(LAYERS), num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1],
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25})),
+        rope_theta=500.0, partial_rotary_factor=0.25)),
     "bamba": ("BambaConfig", "BambaForCausalLM", dict(
         num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[LAYERS.index("full_attention")],
         mamba_n_heads=8, mamba_d_head="auto", mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
-        mamba_expand=1, mamba_chunk_size=16)),
+        mamba_expand=1, mamba_chunk_size=16, rope_theta=500.0)),
 }
 DECODERS = {"qwen3_next": PagedQwen3Next, "qwen3_next_moe": PagedQwen3Next, "bamba": PagedBamba}
 

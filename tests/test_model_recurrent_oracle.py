@@ -73,6 +73,27 @@ def test_config_maps_to_the_layer_pattern_and_stores(arch, model):
     assert states.bytes_per_block == 3 * (conv_dim * 3 + int(np.prod(recurrent))) * 4
 
 
+def test_experts_load_from_either_layout():
+    """transformers 4.x's per-expert weights (``experts.{e}.gate_proj`` ...) load to the fused
+    arrays 5.x stores, so either library's checkpoint runs."""
+    hf = tiny_hybrid("qwen3_next_moe")
+    model = DECODERS["qwen3_next_moe"].from_transformers(hf)
+    split = {}
+    for k, v in hf.state_dict().items():
+        if k.endswith("experts.gate_up_proj"):
+            gate, up = v.chunk(2, dim=1)
+            split |= {f"{k[:-len('gate_up_proj')]}{e}.{n}.weight": w[e] for e in range(len(v))
+                      for n, w in (("gate_proj", gate), ("up_proj", up))}
+        elif k.endswith("experts.down_proj"):
+            split |= {f"{k[:-len('down_proj')]}{e}.down_proj.weight": v[e] for e in range(len(v))}
+        else:
+            split[k] = v
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in split
+    loaded = type(model).from_state_dict(split, hf.config)
+    for k in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.3.mlp.experts.down_proj"):
+        np.testing.assert_array_equal(loaded.w[k], model.w[k])
+
+
 def test_whole_prompt_prefill_of_a_batch_matches_transformers(hf, model):
     """Three prompts in one forward (blocks from a shuffled pool): every position's logits."""
     r = Runner(model)

@@ -35,8 +35,8 @@ def bamba_dims(config: Any) -> HybridDims:
     types = tuple("full_attention" if i in attn else LINEAR for i in range(num_layers))
     if _cfg(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"Bamba's MLP and convolution use silu, config has {_cfg(config, 'hidden_act')!r}")
-    rope = _cfg(config, "rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
+    rope = _cfg(config, "rope_parameters") or _cfg(config, "rope_scaling") or {}  # transformers 5.x, 4.x
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise ValueError(f"only default RoPE is implemented, config asks for {rope.get('rope_type')!r}")
     heads, hidden = int(_cfg(config, "num_attention_heads")), int(_cfg(config, "hidden_size"))
     head_dim = int(_cfg(config, "head_dim", None) or hidden // heads)
@@ -52,7 +52,8 @@ def bamba_dims(config: Any) -> HybridDims:
     return HybridDims(vocab_size=int(_cfg(config, "vocab_size")), hidden_size=hidden, layer_types=types,
                       num_heads=heads, num_kv_heads=int(_cfg(config, "num_key_value_heads") or heads),
                       head_dim=head_dim, rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 0.5)),
-                      mixer=mixer, rope_theta=float(rope.get("rope_theta", 10_000.0)), rms_norm_eps=eps)
+                      mixer=mixer, rope_theta=float(rope.get("rope_theta", _cfg(config, "rope_theta", 10_000.0))),
+                      rms_norm_eps=eps)
 
 
 class PagedBamba(PagedStateHybrid):

@@ -20,9 +20,9 @@ import numpy as np
 
 from .deltanet import DeltaNetDims, gated_deltanet
 from .model import _cfg
-from .state_hybrid import FULL, LINEAR, HybridDims, PagedStateHybrid, silu
+from .state_hybrid import FULL, LINEAR, HybridDims, PagedStateHybrid, numpy_weight, silu
 
-__all__ = ["PagedQwen3Next", "moe_layers", "qwen3_next_dims"]
+__all__ = ["PagedQwen3Next", "fused_experts", "moe_layers", "qwen3_next_dims"]
 
 
 def qwen3_next_dims(config: Any) -> HybridDims:
@@ -44,8 +44,8 @@ def qwen3_next_dims(config: Any) -> HybridDims:
         raise ValueError(f"layer_types must list one type per layer ({num_layers}), got {types!r}")
     if _cfg(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"Qwen3-Next's MLP uses silu, config has {_cfg(config, 'hidden_act')!r}")
-    rope = _cfg(config, "rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
+    rope = _cfg(config, "rope_parameters") or _cfg(config, "rope_scaling") or {}  # transformers 5.x, 4.x
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise ValueError(f"only default RoPE is implemented, config asks for {rope.get('rope_type')!r}")
     heads, hidden = int(_cfg(config, "num_attention_heads")), int(_cfg(config, "hidden_size"))
     head_dim = int(_cfg(config, "head_dim") or hidden // heads)
@@ -71,6 +71,26 @@ def moe_layers(config: Any) -> tuple[int, ...]:
                  if experts > 0 and i not in dense and (i + 1) % step == 0)
 
 
+def fused_experts(state_dict: Any, layers: Any) -> dict:
+    """The state dict with each listed layer's experts in transformers 5.x's fused layout.
+
+    transformers 4.x keeps each expert's projections apart (``mlp.experts.{e}.gate_proj.weight``
+    ``[I, H]``, ``up_proj``, ``down_proj`` ``[H, I]``); 5.x stacks them as
+    ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows first) and ``mlp.experts.down_proj``
+    ``[E, H, I]``. A state dict already fused, or without experts, comes back as it was.
+    """
+    sd = dict(state_dict)
+    for i in layers:
+        p = f"model.layers.{i}.mlp.experts."
+        if p + "gate_up_proj" in sd or p + "0.gate_proj.weight" not in sd:
+            continue
+        n = sum(1 for k in sd if k.startswith(p) and k.endswith(".gate_proj.weight"))
+        part = lambda e, name: numpy_weight(sd.pop(f"{p}{e}.{name}.weight"))  # noqa: E731
+        sd[p + "gate_up_proj"] = np.stack([np.concatenate([part(e, "gate_proj"), part(e, "up_proj")]) for e in range(n)])
+        sd[p + "down_proj"] = np.stack([part(e, "down_proj") for e in range(n)])
+    return sd
+
+
 class PagedQwen3Next(PagedStateHybrid):
     """Qwen3-Next over a paged K/V store and a state store. ``forward`` is one engine step.
 
@@ -94,6 +114,9 @@ class PagedQwen3Next(PagedStateHybrid):
     @classmethod
     def dims_from_config(cls, config: Any) -> HybridDims:
         return qwen3_next_dims(config)
+
+    def _load(self, sd: Any) -> dict:
+        return super()._load(fused_experts(sd, self.moe_layers))
 
     def _mlp_weights(self, layer: int) -> list[str]:
         if layer not in self.moe_layers:
