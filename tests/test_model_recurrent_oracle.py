@@ -54,16 +54,15 @@ def model(arch, hf):
     return DECODERS[arch].from_transformers(hf)
 
 
-# per architecture: the rotary dims, and the state of one layer: (conv_dim, recurrent shape)
-SHAPES = {
-    "qwen3_next": (4, 2 * 2 * 8 + 4 * 8, (4, 8, 8)),  # q, k of 2 key heads, v of 4 value heads, 8 dims
-    "qwen3_next_moe": (4, 2 * 2 * 8 + 4 * 8, (4, 8, 8)),
-    "bamba": (8, 8 * 8 + 2 * 2 * 8, (8, 8, 8)),  # x of 8 heads of 8, B and C of 2 groups of state 8
-}
+def shapes(arch, config):
+    """The rotary dims and one layer's state, (conv_dim, recurrent shape), of the test model."""
+    if arch == "bamba":  # x of 8 heads of 8 dims, B and C of each group's state of 8
+        return 8, 8 * 8 + 2 * config.mamba_n_groups * 8, (8, 8, 8)
+    return 4, 2 * 2 * 8 + 4 * 8, (4, 8, 8)  # q, k of 2 key heads, v of 4 value heads, 8 dims each
 
 
-def test_config_maps_to_the_layer_pattern_and_stores(arch, model):
-    rotary, conv_dim, recurrent = SHAPES[arch]
+def test_config_maps_to_the_layer_pattern_and_stores(arch, hf, model):
+    rotary, conv_dim, recurrent = shapes(arch, hf.config)
     d = model.dims
     assert (d.attention_layers, d.linear_layers, d.rotary_dim) == ((2,), (0, 1, 3), rotary)
     assert getattr(model, "moe_layers", ()) == ((0, 2, 3) if arch == "qwen3_next_moe" else ())  # not [1]
