@@ -38,7 +38,7 @@ never show a number the table does not. The hint (see :class:`~pagedkv.report.ta
 - ``highlight`` (bars): ``{"column": c, "prefix": p, "colour": ..., "label": ..., "other": ...}``,
   bars whose ``c`` starts with ``p`` drawn in ``colour`` and named ``label`` in the legend, the
   others named ``other`` (livelocked runs apart from completed ones);
-- ``logx`` (``logx_base``, default 2; ticks in plain numbers), ``logy``, ``ymin`` (e.g. 0: the axis starts there), ``ymax``, ``ylabel``, ``xlabel``, ``title``
+- ``logx`` (``logx_base``, default 2; ticks at the points' x, in plain numbers), ``logy``, ``ymin`` (e.g. 0: the axis starts there), ``ymax``, ``ylabel``, ``xlabel``, ``title``
   (default: the table's title).
 """
 from __future__ import annotations
@@ -283,7 +283,13 @@ def _draw_lines(ax, table: Table, hint: dict, x: list) -> dict:
     if hint.get("logx"):
         from matplotlib.ticker import FuncFormatter
 
+        from matplotlib.ticker import FixedLocator, NullLocator
+
         ax.set_xscale("log", base=hint.get("logx_base", 2))
+        points = sorted({float(v) for v in x if isinstance(v, (int, float)) and v > 0})
+        if points:  # ticks where the points are (250, 500, 1,000), not at powers of the base
+            ax.xaxis.set_major_locator(FixedLocator(points))
+            ax.xaxis.set_minor_locator(NullLocator())
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,g}"))  # 1,024, not 2^10
     return extra
 
