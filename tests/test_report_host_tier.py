@@ -157,12 +157,6 @@ def test_percentiles_by_hand():
     assert all(math.isnan(v) for v in host_offload._percentiles(np.array([])))
 
 
-def test_published_claims_are_labelled_with_their_sources(offload):
-    notes = " ".join(offload.tables[0].notes)
-    assert notes.count("Published, theirs and not ours") == len(host_offload.CLAIMS) == 2
-    assert "blog.vllm.ai" in notes and "lmsys.org/blog" in notes and "--kv_offloading_size" in notes
-
-
 def test_azure_reports_no_measured_hit_rate(offload):
     t = offload.tables[1]
     assert not any("hit" in c.lower() for c in t.columns)
