@@ -40,6 +40,18 @@ SECTIONS: dict[str, str] = {
     "fleet": "fleet",
     "hybrid": "hybrid",
 }
+# The model and GPU of the sections that do not name their own ({model}: --model).
+_SETUPS = {
+    "block_size": "OPT-13B's memory (the paper's); allocator times measured on this machine",
+    "fork_cost": "{model}'s KV sizes; fork times measured on this machine, copy times modelled for an H100",
+    "cow_proof": "a small random-weight Llama on this machine; MiB scaled to {model}",
+    "prefix_hits": "{model}'s KV sizes",
+    "chunked_spec": "{model}'s KV sizes",
+    "livelock": "{model} on an H100, step times modelled",
+    "host_offload": "{model} on an H100, times modelled",
+    "fleet": "{model} on H100s, times modelled",
+    "hybrid": "gpt-oss, Gemma 3, Command R7B, Llama 4 Scout; one H100 or H200's KV memory, times modelled",
+}
 # The sections that replay a --trace file; the others run built-in workloads only.
 TRACE_SECTIONS = frozenset({"fig2", "prefix_hits", "host_offload", "fleet"})
 
@@ -65,6 +77,8 @@ def build_report(
         t0 = time.perf_counter()
         sec = _load(key)(opts)
         sec.data.setdefault("seconds", round(time.perf_counter() - t0, 2))
+        if not sec.setup and key in _SETUPS:
+            sec.setup = _SETUPS[key].format(model=opts.model)
         sections.append(sec)
     return sections
 
