@@ -24,12 +24,12 @@ from pagedkv.report.tables import TEXT_WIDTH, Section, Table, plain
 
 MIB = 2**20
 MARKUP = re.compile(r":[a-z]+:`|(?<!`)``(?!`)")  # a role, or a literal (not a ``` fence)
-EXPECTED_PLOTS = ("fork_cost_bytes", "cow_proof_error", "cow_proof_bytes", "fig2_breakdown", "fig2_saturated",
+EXPECTED_PLOTS = ("fork_cost_time", "cow_proof_error", "cow_proof_bytes", "fig2_breakdown", "fig2_saturated",
                   "fig2_throughput", "fig2_load", "block_size_fragmentation", "fig15_sharing", "sharing_sharegpt",
-                  "prefix_hits_capacity", "prefix_hits_history", "chunked_prefix_hits", "chunked_memory",
+                  "prefix_hits_capacity", "prefix_hits_history", "chunked_prefix_hits",
                   "spec_rollback", "livelock_thrashing", "livelock_guards", "swap_vs_recompute",
                   "host_tier_hits", "host_tier_serving", "fleet_vnodes_rsd", "fleet_bounded_loads",
-                  "fleet_routers", "hybrid_hit_cost_gpt_oss_20b")
+                  "fleet_routers")
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +218,7 @@ def test_fork_cost_section_quick():
     assert t.column("1st write MiB, last block partial") == [16 * kv / MIB] * 3  # one 16-token block: 2 MiB
     # plotted on log axes (the paged fork's zero bytes cannot be; its time can): measured fork µs
     # against the modelled copy of the same KV at the H100's HBM bandwidth, read + write
-    assert t.plot["name"] == "fork_cost_bytes" and t.plot["logy"] and t.plot["logx"]
+    assert t.plot["name"] == "fork_cost_time" and t.plot["logy"] and t.plot["logx"]
     assert t.plot["y"] == ["fork µs (median)", "eager copy µs (modelled)", "1st write copy µs (modelled)"]
     assert t.column("eager copy µs (modelled)") == [round(2 * n * kv / 3.35e12 * 1e6, 3) for n in (128, 512, 2048)]
     assert t.column("eager copy µs (modelled)")[-1] == 160.26  # 2 x 256 MiB / 3.35 TB/s

@@ -101,7 +101,7 @@ def section(opts: ReportOptions) -> Section:
             "eager copy µs (modelled)",
             "1st write copy µs (modelled)",
         ],
-        plot={"name": "fork_cost_bytes", "x": "tokens",
+        plot={"name": "fork_cost_time", "x": "tokens",
               "y": ["fork µs (median)", "eager copy µs (modelled)", "1st write copy µs (modelled)"],
               "kind": "line", "logx": True, "logy": True,
               "legend": {"fork µs (median)": "paged fork: refcounts only, no KV moved (measured, median)",

@@ -294,6 +294,18 @@ def _draw_lines(ax, table: Table, hint: dict, x: list) -> dict:
     return extra
 
 
+def _title(text: str, width: int = 95) -> str:
+    """A title on one line, or broken at a phrase (after a colon, a comma or before a parenthesis)
+    rather than mid-phrase when it is too long."""
+    if len(text) <= width:
+        return text
+    cuts = [m.end() for m in re.finditer(r"[:,;] |(?= \()", text) if m.end() <= width]
+    if not cuts:
+        return "\n".join(textwrap.wrap(text, width))
+    head, tail = text[:cuts[-1]].rstrip(), text[cuts[-1]:].strip()
+    return head + "\n" + _title(tail, width)
+
+
 def plot_table(table: Table, out_dir: Path) -> Path | None:
     """Draw ``table`` as ``out_dir/<hint name>.png``; returns the path, or None without a hint."""
     name = plot_name(table)
@@ -321,14 +333,17 @@ def plot_table(table: Table, out_dir: Path) -> Path | None:
             if vals:
                 ax.axhline(vals[0], color="black", linestyle="--", linewidth=1, label=f"{label} ({vals[0]:.1f})")
     if hint.get("logy"):
+        from matplotlib.ticker import FuncFormatter
+
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,g}"))  # 100, not 10^2
     if hint.get("ymin") is not None:
         ax.set_ylim(bottom=hint["ymin"])
     if hint.get("ymax") is not None:
         ax.set_ylim(top=hint["ymax"])
     ax.set_xlabel(hint.get("xlabel", hint["x"]))
     ax.set_ylabel(hint.get("ylabel", ""))
-    ax.set_title("\n".join(textwrap.wrap(hint.get("title", table.title), 95)), fontsize=9)
+    ax.set_title(_title(hint.get("title", table.title)), fontsize=9)
     ax.grid(alpha=0.3, zorder=0)
     outside = kind == "stacked" or bool(hint.get("legend_outside"))
     handles, labels = ax.get_legend_handles_labels()
