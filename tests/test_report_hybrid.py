@@ -111,4 +111,4 @@ def test_findings_name_the_savings_the_gain_and_the_cliff():
     found = findings([sec])
     assert found[0].ours == "-48.4% at 4,096 tokens, -50.0% at 131,072"
     assert found[1].ours == "1.50x-1.50x"
-    assert "+0.58 to +0.58 points" in found[2].gap
+    assert "gains +0.58 to +0.58 points" in found[2].gap

@@ -50,7 +50,7 @@ _SETUPS = {
     "livelock": "{model} on an H100, step times modelled",
     "host_offload": "{model} on an H100, times modelled",
     "fleet": "{model} on H100s, times modelled",
-    "hybrid": "gpt-oss, Gemma 3, Command R7B, Llama 4 Scout; one H100 or H200's KV memory, times modelled",
+    "hybrid": "gpt-oss, Gemma 3, Command R7B, Llama 4 Scout; one H100's KV memory, times modelled",
 }
 # The sections that replay a --trace file; the others run built-in workloads only.
 TRACE_SECTIONS = frozenset({"fig2", "prefix_hits", "host_offload", "fleet"})

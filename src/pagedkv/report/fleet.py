@@ -15,7 +15,7 @@ come and go. Four tables:
    in expectation for keys hashed uniformly.
 2. **Bounded loads.** The ring with a cap of ``ceil((1 + eps) x average in flight)`` per replica
    (Mirrokni, Thorup and Zadimoghaddam, SODA'18) on a slice of the Mooncake conversation trace
-   (its first 800 requests, 100 with ``quick``: six fleet runs of the whole trace would take
+   (its first 500 requests, 100 with ``quick``: six fleet runs of the whole trace would take
    minutes, see ``benchmarks/fleet_scale.py``; ``pagedkv fleet --num-requests all`` runs it):
    hit rate against balance as ``eps`` varies.
 3. **Routers on the same slice**: round-robin (cache-blind; ``pagedkv fleet`` also runs
@@ -57,7 +57,7 @@ VNODES = (1, 10, 100, 1_000)
 RING_VNODES = 100  # the ring the fleet runs use
 SEEDS = {False: 100, True: 10}  # ring seeds per k (full, quick)
 KEY_REQUESTS = {False: None, True: 1_000}  # trace requests whose keys table 1 places (None: all)
-FLEET_REQUESTS = {False: 800, True: 100}  # the slice tables 2-4 serve; the whole trace: pagedkv fleet
+FLEET_REQUESTS = {False: 500, True: 100}  # the slice tables 2-4 serve; the whole trace: pagedkv fleet
 EPS = {False: (0.1, 0.25, 1.0), True: (0.25,)}
 GPU_MEM_GIB, UTIL = 80.0, 0.9  # an H100, as pagedkv simulate assumes by default
 MAX_LEN = 131_072

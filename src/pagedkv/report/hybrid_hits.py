@@ -1,8 +1,8 @@
 """Report tables: the hybrid prefix-hit rule's cost on the Mooncake trace.
 
 Replays the first requests of the Mooncake conversation trace through the real manager at the KV
-memory one GPU leaves (an H100 or an H200 at 0.9 utilisation, less the weights), for gpt-oss-20b
-and Gemma 3 27B: a uniform cache (every layer keeps every block:
+memory one GPU leaves (an H100 at 0.9 utilisation, less the weights), for gpt-oss-20b and Gemma 3
+27B: a uniform cache (every layer keeps every block:
 full attention's rule) against a grouped one holding the same bytes in smaller pages, with the
 grouped manager's two orders for released window blocks (``window_eviction``). See
 :mod:`pagedkv.sim.hybrid_hits` for the replay and why the orders differ.
@@ -20,11 +20,11 @@ from .tables import Table
 
 __all__ = ["hit_cost_tables", "HIT_MODELS"]
 
-# (model, the GPUs whose KV budget it is replayed at): one GPU of each, at vLLM's 0.9 utilisation,
-# less the model's weights. Gemma 3 27B's weights leave an H100 19 GiB; it runs on the H200 only.
-HIT_MODELS = (("gpt-oss-20b", ("H100", "H200")), ("Gemma-3-27B", ("H200",)))
+# (model, the GPUs whose KV budget it is replayed at): one H100, at vLLM's 0.9 utilisation, less
+# the model's weights (gpt-oss-20b: 59.2 GiB of KV; Gemma 3 27B: 19.1 GiB).
+HIT_MODELS = (("gpt-oss-20b", ("H100",)), ("Gemma-3-27B", ("H100",)))
 QUICK_HIT_MODELS = (("gpt-oss-20b", ("H100",)),)
-HIT_REQUESTS, QUICK_HIT_REQUESTS = 500, 120
+HIT_REQUESTS, QUICK_HIT_REQUESTS = 300, 120
 ORDERS = ("with_prefix", "on_release")
 ORDER_NAMES = {"with_prefix": "window blocks re-aged with their prefix",
                "on_release": "window blocks in plain LRU order"}
@@ -84,7 +84,8 @@ def hit_cost_tables(opts: ReportOptions) -> tuple[list[Table], dict, list[str]]:
 def _budget_note() -> str:
     parts = [f"{model} on an {gpu}: {deployment_budget(model, gpu) / GIB:.1f} GiB"
              for model, gpus in HIT_MODELS for gpu in gpus]
-    return (f"KV GiB: one GPU's memory ({', '.join(f'{g} {m:g} GiB' for g, m in GPUS.items())}) x {UTIL} "
+    gpus = sorted({g for _, gs in HIT_MODELS for g in gs})
+    return (f"KV GiB: one GPU's memory ({', '.join(f'{g} {GPUS[g]:g} GiB' for g in gpus)}) x {UTIL} "
             f"utilisation, less the model's weights ({'; '.join(parts)}); share: of the bytes a uniform "
             "cache needs to keep every request's prompt and output (nothing evicted).")
 

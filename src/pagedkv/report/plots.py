@@ -299,11 +299,12 @@ def _title(text: str, width: int = 95) -> str:
     rather than mid-phrase when it is too long."""
     if len(text) <= width:
         return text
-    cuts = [m.end() for m in re.finditer(r"[:,;] |(?= \()", text) if m.end() <= width]
-    if not cuts:
-        return "\n".join(textwrap.wrap(text, width))
-    head, tail = text[:cuts[-1]].rstrip(), text[cuts[-1]:].strip()
-    return head + "\n" + _title(tail, width)
+    for stop in (r"[:;] ", r", ", r"(?= \()"):  # a colon first, then a comma, then a parenthesis
+        cuts = [m.end() for m in re.finditer(stop, text) if 20 <= m.end() <= width]
+        if cuts:
+            head, tail = text[:cuts[-1]].rstrip(), text[cuts[-1]:].strip()
+            return head + "\n" + _title(tail, width)
+    return "\n".join(textwrap.wrap(text, width))
 
 
 def plot_table(table: Table, out_dir: Path) -> Path | None:
