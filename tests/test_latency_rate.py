@@ -279,13 +279,12 @@ def test_batch_table_says_who_is_past_its_rate(quick_section):
 
 def test_finding_gives_the_ratios_beside_the_papers(quick_section):
     sec, _ = quick_section
-    found = [f.text for f in findings([sec]) if f.key == "latency_rate"]
-    assert len(found) == 1
+    (found,) = [f for f in findings([sec]) if f.key == "latency_rate"]
     d = sec.data["workloads"]["ShareGPT-like"]
     head = d["sustained"][0]["paged_over"]
-    assert f"{head['oracle']:.2f}x the request rate of Orca (Oracle)" in found[0]
-    assert "paper: 1.7-2.7x and 2.7-8x" in found[0] and "2.2x and 4.3x" in found[0]
-    assert "modelled" in found[0]
+    assert found.ours == f"{head['oracle']:.2f}x / {head['max']:.2f}x"
+    assert found.paper == "1.7-2.7x / 2.7-8x" and "Fig. 13a: 2.2x / 4.3x" in found.gap
+    assert found.how == "modelled"
 
 
 def test_section_refuses_bad_options():

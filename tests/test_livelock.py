@@ -460,5 +460,5 @@ def test_section_shows_each_guard_matters(quick_section):
     counts = [thrash[k]["preemptions"] for k in ("vLLM v1 (no watermark)", "watermark 2%", "watermark 5%")]
     assert counts[0] > counts[1] > counts[2]
     table = quick_section.tables[1]
-    futile = dict(zip(table.column("guard"), table.column("futile")))
-    assert futile["skip unfreeing off"] > 0 and futile["skip unfreeing on"] == 0
+    futile = dict(zip(table.column("guard"), table.column("victims freeing nothing")))
+    assert futile["skip victims freeing nothing off"] > 0 and futile["skip victims freeing nothing on"] == 0

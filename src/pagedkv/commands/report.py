@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -161,14 +162,25 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None:
         check_out_dir("--out", args.out)
     sections = build_report(opts, keys, progress)
-    text = render_text(sections)
-    emit(text[:-1] if text.endswith("\n") else text)
-    if args.out is not None:
+    if args.out is None:
+        text = render_text(sections, opts=opts)
+        emit(text[:-1] if text.endswith("\n") else text)
+    else:
         from ..report.plots import plot_available
 
-        for path in _write_out(sections, opts, args.out):
-            print(f"wrote {path}", file=sys.stderr)
+        progress("writing report.md, report.json and the plots")
+        try:
+            written = _write_out(sections, opts, args.out)
+        except OutputError:
+            text = render_text(sections, opts=opts)  # the files failed: the run's results still show
+            emit(text[:-1] if text.endswith("\n") else text)
+            raise
+        pngs = [p for p in written if p.suffix == ".png"]
+        where = (f"The whole report: {args.out / 'report.md'} (Markdown), {args.out / 'report.json'} "
+                 f"(every number), and {len(pngs)} PNG plots in {args.out}.")
         if not plot_available():
-            print("no PNG plots: matplotlib is not installed (pip install 'pagedkv[plot]')", file=sys.stderr)
+            where += " No PNG plots: matplotlib is not installed (pip install 'pagedkv[plot]')."
+        text = render_text(sections, summary_only=True, opts=opts)
+        emit(text + "\n" + "\n".join(textwrap.wrap(where, 100, break_long_words=False)))
     print(f"[pagedkv report] done in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return 0

@@ -101,7 +101,7 @@ def section(opts: ReportOptions) -> Section:
         plot={"name": "block_size_fragmentation", "x": "block size",
               "y": ["internal frag %", "(bs-1)/2 model %"], "kind": "line", "logx": True, "ymin": 0,
               "styles": {"(bs-1)/2 model %": {"linestyle": "--", "marker": "x"}},
-              "legend": {"internal frag %": "measured: 1 - stored / allocated (manager usage())",
+              "legend": {"internal frag %": "measured: share of allocated slots holding no token",
                          "(bs-1)/2 model %": "model: (bs-1)/2 unused slots per sequence"},
               "title": "Paged internal fragmentation against block size, measured and modelled "
                        "(ShareGPT-like, OPT-13B, 12 GiB of KV)",

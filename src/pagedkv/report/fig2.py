@@ -522,8 +522,8 @@ def section(opts: ReportOptions) -> Section:
         "Paper columns: vLLM paper Fig. 2 (ShareGPT, OPT-13B, read from its bars); it has no Azure "
         "bars, and for vLLM it gives the token states share only.",
     ]
-    sat_t.notes += [memory, "Band: the same rerun at the two log-sds (spreads of log length) as in the serving-run table.",
-                    "Categories and columns as in the serving-run table."]
+    sat_t.notes += ["Memory, band (the same reruns at the two spreads of log length), categories and "
+                    "columns as in the serving-run table."]
     tables = [srv_t, sat_t, _cost_table(wls, cm)]
     if head.sweep:
         tables.append(_sweep_table(head))
@@ -532,6 +532,7 @@ def section(opts: ReportOptions) -> Section:
         heading="Memory waste: pre-allocation vs paging (vLLM Fig. 2)",
         intro=(__doc__ or "").split("\n\n")[1].replace("\n", " "),
         tables=tables,
+        setup="OPT-13B's memory on an A100-40GB (the paper's); step times modelled",
         text=[_regime_text(head, opts.quick),
               "Requests over the model's limit: " + " ".join([_fit_note(wl) for wl in wls] + empty)],
     )

@@ -62,6 +62,7 @@ __all__ = [
     "kv_budget_bytes",
     "fit_blocks",
     "estimate_weight_bytes",
+    "estimate_mxfp4_moe_weight_bytes",
     "layer_attention_from_config",
     "attention_groups",
     "GroupKV",
@@ -125,6 +126,7 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     gated_mlp: bool = True
     dense: bool = True
+    num_experts: int = 0  # routed experts per MoE layer (0: a dense model)
     # One attention spec per layer (hybrid models); empty means every layer is full attention.
     layer_attention: tuple = ()
 
@@ -318,6 +320,7 @@ def spec_from_config(config: Mapping[str, Any] | str | Path, name: str | None = 
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "opt")),
         gated_mlp=model_type not in ("opt", "gpt2", "gptj", "gpt_neox", "falcon", "bloom"),
         dense=not (cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts")),
+        num_experts=int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts") or 0),
         layer_attention=layer_attention_from_config(cfg, num_layers),
     )
 
@@ -478,6 +481,32 @@ def estimate_weight_bytes(spec: ModelSpec, *, dtype: str | None = None, tp: int 
     emb = spec.vocab_size * h * (1 if spec.tie_word_embeddings else 2)
     params = spec.num_layers * (attn + mlp) + emb
     return math.ceil(params * dtype_bytes(dtype or spec.dtype) / tp)
+
+
+MXFP4_BITS = 4.25  # a 4-bit weight plus its share of one 8-bit scale per 32 weights
+
+
+def estimate_mxfp4_moe_weight_bytes(spec: ModelSpec) -> int | None:
+    """Weight bytes of a model whose every layer is a mixture of experts stored in MXFP4, the
+    rest (attention, router, embeddings) in the model's dtype: gpt-oss, as published. ``None``
+    for a dense model or one with missing fields.
+
+    Each expert is a gated MLP of ``intermediate_size``; experts are the bulk. gpt-oss-20b: 24
+    layers x 32 experts x 3 x 2,880 x 2,880 = 19.1e9 expert weights at 4.25 bits (10.15e9 bytes),
+    plus 0.64e9 attention, 2.2e6 router and 1.16e9 embedding weights in bf16 (3.59e9 bytes):
+    13.74e9 bytes, 12.8 GiB (its published checkpoint is 13.8 GB).
+    """
+    if not isinstance(spec, ModelSpec):
+        raise ValueError(f"spec must be a ModelSpec, got {type(spec).__name__}")
+    if spec.is_mla or spec.dense or not spec.num_experts or not spec.vocab_size or not spec.intermediate_size:
+        return None
+    h, d = spec.hidden_size, spec.head_dim
+    attn = h * d * (2 * spec.num_attention_heads + 2 * spec.num_kv_heads)
+    experts = spec.num_experts * 3 * h * spec.intermediate_size
+    router = h * spec.num_experts
+    emb = spec.vocab_size * h * (1 if spec.tie_word_embeddings else 2)
+    dense_params = spec.num_layers * (attn + router) + emb
+    return math.ceil(dense_params * dtype_bytes(spec.dtype) + spec.num_layers * experts * MXFP4_BITS / 8)
 
 
 @dataclass(frozen=True)
