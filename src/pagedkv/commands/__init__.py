@@ -37,6 +37,7 @@ __all__ = [
     "check_out_file",
     "check_data_dir",
     "check_model",
+    "context_limit",
     "kv_memory",
     "grouped_kv_memory",
     "MAX_BLOCKS",
@@ -264,6 +265,24 @@ def check_model(flag: str, name: str, *, grouped: bool = False):
                          f"this command would size as uniform; pagedkv simulate --model {spec.name} serves it "
                          f"grouped, pagedkv size {spec.name} shows its grouped KV")
     return spec
+
+
+def context_limit(args, spec, capacity: int, hi: int) -> tuple[int | None, str]:
+    """``(context limit, where it came from in words)`` for a serving command: ``--max-len`` when
+    given; else the model's own context (``max_position_embeddings``), at most the ``capacity``
+    tokens one KV cache holds (vLLM refuses a longer limit) and ``hi``. ``(None, "")`` when the
+    model states no context: the caller takes its longest request. Example: gpt-oss-20b (131,072)
+    on 502,432 KV slots -> ``(131072, "gpt-oss-20b's context")``; Llama-3.1-8B on ``--kv-gib 1``
+    (8,192 slots) -> ``(8192, "what the KV cache holds (Llama-3.1-8B's context is 131,072)")``."""
+    if args.max_len is not None:
+        return args.max_len, "--max-len"
+    if spec.max_context is None:
+        return None, ""
+    limit = min(spec.max_context, capacity, hi)
+    if limit == spec.max_context:
+        return limit, f"{spec.name}'s context"
+    held = "what the KV cache holds" if limit == capacity else "the simulator's limit"
+    return limit, f"{held} ({spec.name}'s context is {spec.max_context:,})"
 
 
 def _weights(args, spec) -> int:

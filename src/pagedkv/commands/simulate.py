@@ -43,6 +43,7 @@ from . import (
     check_gpu_flags,
     check_int,
     check_number,
+    context_limit,
     emit,
     grouped_kv_memory,
     kv_memory,
@@ -73,7 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"Poisson arrivals per second, at least {MIN_RATE:g}; default: the trace's timestamps, "
                         "or all at t=0 for a built-in workload; 0 puts every arrival at t=0")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-len", type=int, default=2048, help="context limit and Max's reservation (default 2048)")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="context limit and Max's reservation (default: the model's context, at most what "
+                        "the KV cache holds; 2,048 for OPT-13B)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences cap (default 256)")
     p.add_argument("--n", type=int, default=1,
                    help="parallel samples per request (default 1; not a request count: see --num-requests)")
@@ -103,7 +106,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _check(args: argparse.Namespace) -> None:
     """Every numeric flag, by the name the user typed, before anything is loaded or simulated."""
     check_int("--num-requests", args.num_requests, 1, MAX_REQUESTS)
-    check_int("--max-len", args.max_len, 2, MAX_LEN)
+    if args.max_len is not None:
+        check_int("--max-len", args.max_len, 2, MAX_LEN)
     check_int("--block-size", args.block_size, 1, args.max_len, " (at most --max-len)")
     check_int("--max-num-seqs", args.max_num_seqs, 1)
     check_int("--n", args.n, 1, 1024)
@@ -149,20 +153,27 @@ def _source(args: argparse.Namespace) -> tuple[str | Path, str]:
     return Path(name), f"real trace file: {Path(name).name}"
 
 
-def _requests(args: argparse.Namespace) -> tuple[list, str, list[str]]:
-    """(requests, their source in words, notes on arrivals and on requests over --max-len)."""
-    from ..report.fig2 import fit_to_model
+def _requests(args: argparse.Namespace, limit: int | None,
+              origin: str) -> tuple[list, str, list[str], tuple[int, str] | None]:
+    """(requests, their source in words, notes on arrivals and the context limit, None or how
+    many requests were left out and why). ``limit`` is the context limit (None: the model states none, so the
+    longest request of a trace, or the vLLM paper's 2,048 for a synthetic workload); it is set as
+    ``args.max_len``, which everything after serves under."""
+    from ..report.fig2 import PAPER_MAX_LEN, fit_to_model
     from ..sim.workloads import LOGNORMAL_SPECS, load_workload, over_limit_share
 
     src, what = _source(args)
     rate = args.rate if args.rate else None
-    notes = []
+    notes, left_out = [], None
     if isinstance(src, str):
-        reqs = load_workload(src, args.num_requests, args.seed, max_len=args.max_len, rate=rate,
+        if limit is None:
+            limit, origin = PAPER_MAX_LEN, "the vLLM paper's, as the model states no context"
+        args.max_len = limit
+        reqs = load_workload(src, args.num_requests, args.seed, max_len=limit, rate=rate,
                              n=args.n, beam_width=args.beam_width)
         if src in LOGNORMAL_SPECS:
-            share = over_limit_share(src, args.max_len)
-            notes.append(f"{100 * share:.1f}% of lognormal draws exceed --max-len {args.max_len:,} and are "
+            share = over_limit_share(src, limit)
+            notes.append(f"{100 * share:.1f}% of lognormal draws exceed the context limit {limit:,} and are "
                          "redrawn (the means are re-solved to stay the published ones)")
     else:
         raw = load_workload(src, args.num_requests, args.seed, rate=rate, n=args.n, beam_width=args.beam_width)
@@ -170,13 +181,22 @@ def _requests(args: argparse.Namespace) -> tuple[list, str, list[str]]:
             default = " (the default)" if args.num_requests == 500 else ""
             print(f"pagedkv simulate: --num-requests {args.num_requests:,}{default}: {src.name} has only "
                   f"{len(raw):,} request{'s' if len(raw) != 1 else ''}; serving all of them", file=sys.stderr)
-        reqs, rejected, stopped = fit_to_model(raw, args.max_len)
-        if rejected or stopped:
-            notes.append(f"of {len(raw):,} trace requests, {rejected:,} have a prompt of --max-len "
-                         f"{args.max_len:,} tokens or more and are left out, {stopped:,} stop generating at "
-                         f"--max-len (output shortened); {len(reqs):,} served")
+        if limit is None:
+            limit = min(max((r.total_len for r in raw), default=PAPER_MAX_LEN), MAX_LEN)
+            origin = "the longest request, as the model states no context"
+        args.max_len = limit
+        reqs, rejected, stopped = fit_to_model(raw, limit)
+        if rejected:
+            left_out = rejected, (f"{rejected:,} of {len(raw):,} requests, whose prompt is {limit:,} tokens or longer: "
+                        f"the context limit ({origin}); a larger --max-len serves them")
+        if stopped:
+            notes.append(f"{stopped:,} request{'s' if stopped != 1 else ''} stop generating at the context "
+                         f"limit of {limit:,} tokens (output shortened)")
         if not reqs:
-            raise UsageError(f"no request of {src.name} fits --max-len {args.max_len:,}")
+            raise UsageError(f"no request of {src.name} fits the context limit of {limit:,} tokens ({origin}); "
+                             "give a larger --max-len")
+    if origin != "--max-len":
+        notes.append(f"context limit {limit:,} tokens: {origin} (--max-len sets it)")
     if args.rate == 0 or (rate is None and isinstance(src, str)):
         reqs = [replace(r, arrival=0.0) for r in reqs]
         notes.append("every request arrives at t = 0: the server is saturated, so memory, not demand, "
@@ -185,7 +205,7 @@ def _requests(args: argparse.Namespace) -> tuple[list, str, list[str]]:
         notes.append(f"Poisson arrivals at {rate:g} requests/s")
     else:
         notes.append("arrivals at the trace's own timestamps")
-    return reqs, what, notes
+    return reqs, what, notes, left_out
 
 
 def _allocators(args: argparse.Namespace, num_blocks: int, hybrid: HybridMemory | None) -> list:
@@ -207,9 +227,15 @@ def _allocators(args: argparse.Namespace, num_blocks: int, hybrid: HybridMemory 
 
 
 def _table(args: argparse.Namespace, num_blocks: int, cost: CostModel, reqs: list, what: str,
-           workload_notes: list[str], hybrid: HybridMemory | None = None) -> Table:
+           workload_notes: list[str], hybrid: HybridMemory | None = None,
+           left_out: tuple[int, str] | None = None) -> Table:
+    """The results table. Whatever was not served (requests left out for the context limit, or
+    dropped by an allocator because one could never fit) is said in the title and in the first
+    notes, before any ratio that it changes."""
+    served = f"{len(reqs):,} requests" + (f" served, {left_out[0]:,} left out (see the first note)"
+                                          if left_out else "")
     t = Table(
-        f"{args.workload} ({what}): {len(reqs):,} requests on {num_blocks * args.block_size:,} KV slots "
+        f"{args.workload} ({what}): {served} on {num_blocks * args.block_size:,} KV slots "
         f"({cost.model})",
         ["allocator", "token states %", "reserved %", "internal frag %", "buddy rounding %", "external frag %", "free %",
          "avg batch", "requests/s", "tokens/s", "paged x this", "preemptions", "prefix hit %",
@@ -217,7 +243,7 @@ def _table(args: argparse.Namespace, num_blocks: int, cost: CostModel, reqs: lis
         plot={"name": "simulate_breakdown", "x": "allocator", "y": ["token states %"], "kind": "bar",
               "ylabel": "% of KV memory"},
     )
-    metrics = {}
+    metrics, dropped = {}, []
     for alloc in _allocators(args, num_blocks, hybrid):
         res = simulate(reqs, alloc, cost, max_len=args.max_len, max_num_seqs=args.max_num_seqs,
                        progress=args.progress, guards=GUARD_PRESETS[args.guards])
@@ -231,13 +257,16 @@ def _table(args: argparse.Namespace, num_blocks: int, cost: CostModel, reqs: lis
               round(m.tokens_per_s, 1), gain, m.preemptions, round(100 * m.prefix_hit_rate, 1),
               round(100 * m.sharing_saving, 1))
         if res.dropped:
-            t.notes.append(f"{name}: {res.dropped} requests could never fit and were dropped")
+            dropped.append(f"{name} dropped {res.dropped:,} of {len(reqs):,} requests, which could never fit "
+                           "its KV memory even alone")
     if paged and len(metrics) > 1:
         others = [(n, m) for n, (_, m) in metrics.items() if metrics[n] is not paged]
         t.notes.insert(0, "What paging buys: " + ", ".join(
             f"{paged[1].throughput_rps / m.throughput_rps:.2f}x the requests/s of {n}" for n, m in others
             if m.throughput_rps) + f" (token states {100 * paged[1].token_share:.1f}% of KV memory vs "
             + ", ".join(f"{100 * m.token_share:.1f}% for {n}" for n, m in others) + ").")
+    t.notes[:0] = ([f"Left out: {left_out[1]}."] if left_out else []) + (
+        [f"Dropped: {'; '.join(dropped)}; its ratios count only the requests it served."] if dropped else [])
     t.notes += workload_notes
     if hybrid is not None:
         t.notes.append(
@@ -257,18 +286,16 @@ def _table(args: argparse.Namespace, num_blocks: int, cost: CostModel, reqs: lis
     return t
 
 
-def _is_hybrid(model: str) -> bool:
-    from ..sim.sizing import get_model
-
-    return get_model(model).is_hybrid
-
-
 @reports_errors("simulate")
 def run(args: argparse.Namespace) -> int:
     """Print the table; 0 on success, 2 with one line on stderr for bad input."""
+    from ..sim.sizing import get_model
+
     _check(args)
     num_blocks, cost = kv_memory(args, grouped=True)
-    hybrid = grouped_kv_memory(args) if _is_hybrid(args.model) else None
-    reqs, what, notes = _requests(args)
-    emit(_table(args, num_blocks, cost, reqs, what, notes, hybrid).to_text())
+    spec = get_model(args.model)
+    hybrid = grouped_kv_memory(args) if spec.is_hybrid else None
+    limit, origin = context_limit(args, spec, num_blocks * args.block_size, MAX_LEN)
+    reqs, what, notes, left_out = _requests(args, limit, origin)
+    emit(_table(args, num_blocks, cost, reqs, what, notes, hybrid, left_out).to_text())
     return 0
