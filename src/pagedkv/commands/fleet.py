@@ -45,6 +45,7 @@ from . import (
     check_int,
     check_number,
     check_out_file,
+    context_limit,
     emit,
     kv_memory,
     reports_errors,
@@ -57,7 +58,6 @@ __all__ = ["add_arguments", "run", "MAX_REPLICAS", "DEFAULT_REQUESTS"]
 MAX_REPLICAS = 1024
 MAX_VNODES = 100_000
 DEFAULT_REQUESTS = 2_000  # about 11 minutes of the hour-long Mooncake trace
-DEFAULT_MAX_LEN = 131_072  # Llama-3.1's context; the longest Mooncake request is 128,195 tokens
 HASH_ALGOS = ("sha256", "xxh3", "builtin")
 
 
@@ -103,8 +103,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "SGLang's router docs)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--hash-algo", default="sha256", choices=HASH_ALGOS, help="block hashes (default sha256)")
-    p.add_argument("--max-len", type=int, default=DEFAULT_MAX_LEN,
-                   help=f"context limit: longer requests are clipped (default {DEFAULT_MAX_LEN:,})")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="context limit: longer requests are clipped (default: the model's context, at most "
+                        "what one replica's KV cache holds)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences cap per replica (default 256)")
     p.add_argument("--model", default="Llama-3.1-8B", help="built-in model for KV and weight bytes")
     p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="GPU memory per replica (default 80, an H100)")
@@ -131,7 +132,8 @@ def _check(args: argparse.Namespace) -> None:
     check_number("--cache-threshold", args.cache_threshold, lo_open=False, hi=0.999999, why=" (a share below 1)")
     check_int("--balance-abs", args.balance_abs, 0)
     check_number("--balance-rel", args.balance_rel, lo=1.0, lo_open=False, hi=1e6)
-    check_int("--max-len", args.max_len, 2, MAX_LEN)
+    if args.max_len is not None:
+        check_int("--max-len", args.max_len, 2, MAX_LEN)
     check_int("--block-size", args.block_size, 1, args.max_len, " (at most --max-len)")
     check_int("--max-num-seqs", args.max_num_seqs, 1)
     check_gpu_flags(args)
@@ -183,10 +185,11 @@ def _trace(args: argparse.Namespace) -> tuple[Path, str]:
     return path, detect_format(path)
 
 
-def _requests(args: argparse.Namespace, path: Path, num_blocks: int) -> list:
-    """The requests clipped to ``--max-len`` (the replicas would clip them; the routers see what
-    the replicas serve, so a precise router never hashes tokens no replica can hold), refused
-    when one cannot fit a replica's cache."""
+def _requests(args: argparse.Namespace, path: Path, num_blocks: int, origin: str) -> tuple[list, str]:
+    """The requests clipped to the context limit ``args.max_len`` (the replicas would clip them;
+    the routers see what the replicas serve, so a precise router never hashes tokens no replica
+    can hold), refused when one cannot fit a replica's cache; and a note on the limit and on
+    how many requests it clipped ("" when it clipped none and ``--max-len`` set it)."""
     from ..sim.fleet import ReplicaAllocator
     from ..sim.scheduler import check_fits, clip_request
     from ..sim.traces import load_trace
@@ -198,9 +201,17 @@ def _requests(args: argparse.Namespace, path: Path, num_blocks: int) -> list:
         default = " (the default)" if args.num_requests == DEFAULT_REQUESTS else ""
         print(f"pagedkv fleet: --num-requests {args.num_requests:,}{default}: the trace has only {len(reqs):,} "
               f"request{'s' if len(reqs) != 1 else ''}; routing all of them", file=sys.stderr)
-    reqs = [clip_request(r, args.max_len) for r in reqs]
-    check_fits(reqs, ReplicaAllocator(num_blocks, args.block_size), args.max_len)
-    return reqs
+    if args.max_len is None:  # the model states no context: the longest request's
+        args.max_len = min(max(r.total_len for r in reqs), num_blocks * args.block_size, MAX_LEN)
+        origin = "the longest request, as the model states no context"
+    clipped = [clip_request(r, args.max_len) for r in reqs]
+    check_fits(clipped, ReplicaAllocator(num_blocks, args.block_size), args.max_len)
+    cut = sum(c is not r for c, r in zip(clipped, reqs))
+    note = "" if origin == "--max-len" else f"context limit {args.max_len:,} tokens: {origin} (--max-len sets it)"
+    if cut:
+        note = (f"{cut:,} of {len(reqs):,} requests were longer than the context limit of {args.max_len:,} "
+                f"tokens ({origin}) and were cut to fit it (output shortened, a longer prompt's tail dropped)")
+    return clipped, note
 
 
 def _router(args: argparse.Namespace, name: str):
@@ -253,9 +264,12 @@ def run(args: argparse.Namespace) -> int:
     from ..sim.fleet import run_fleet, wire_available
 
     _check(args)
+    from ..sim.sizing import get_model
+
     num_blocks, cost = kv_memory(args, " per replica")
+    args.max_len, origin = context_limit(args, get_model(args.model), num_blocks * args.block_size, MAX_LEN)
     path, fmt = _trace(args)
-    reqs = _requests(args, path, num_blocks)
+    reqs, limit_note = _requests(args, path, num_blocks, origin)
     names = list(ROUTERS) if args.router == "all" else ["precise", "dynamo"] if args.router == "dynamo" else [args.router]
     results = []
     for name in names:
@@ -275,7 +289,10 @@ def run(args: argparse.Namespace) -> int:
         finally:
             if hasattr(router, "close"):
                 router.close()
-    emit(_table(args, results, len(reqs), fmt, num_blocks, cost, wire_available()).to_text())
+    t = _table(args, results, len(reqs), fmt, num_blocks, cost, wire_available())
+    if limit_note:
+        t.notes.insert(0, limit_note)
+    emit(t.to_text())
     if args.json is not None:
         payload = {"trace": str(path), "format": fmt, "requests": len(reqs), "replicas": args.replicas,
                    "blocks_per_replica": num_blocks, "block_size": args.block_size, "cost_model": cost.describe(),

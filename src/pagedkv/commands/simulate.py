@@ -238,12 +238,12 @@ def _table(args: argparse.Namespace, num_blocks: int, cost: CostModel, reqs: lis
         f"{args.workload} ({what}): {served} on {num_blocks * args.block_size:,} KV slots "
         f"({cost.model})",
         ["allocator", "token states %", "reserved %", "internal frag %", "buddy rounding %", "external frag %", "free %",
-         "avg batch", "requests/s", "tokens/s", "paged x this", "preemptions", "prefix hit %",
-         "sharing saved %"],
+         "avg batch", "requests/s", "tokens/s", "paged speed-up", "preemptions", "hits, shared %",
+         "hits, recomputed %", "sharing saved %"],
         plot={"name": "simulate_breakdown", "x": "allocator", "y": ["token states %"], "kind": "bar",
               "ylabel": "% of KV memory"},
     )
-    metrics, dropped = {}, []
+    metrics, dropped, hits = {}, [], []
     for alloc in _allocators(args, num_blocks, hybrid):
         res = simulate(reqs, alloc, cost, max_len=args.max_len, max_num_seqs=args.max_num_seqs,
                        progress=args.progress, guards=GUARD_PRESETS[args.guards])
@@ -254,8 +254,11 @@ def _table(args: argparse.Namespace, num_blocks: int, cost: CostModel, reqs: lis
         gain = round(paged[1].throughput_rps / m.throughput_rps, 2) if paged and m.throughput_rps else None
         t.add(name, sh["token_states"], sh["reserved"], sh["internal_fragmentation"], sh["buddy_rounding"],
               sh["external_fragmentation"], sh["free"], round(m.avg_batch, 1), round(m.throughput_rps, 3),
-              round(m.tokens_per_s, 1), gain, m.preemptions, round(100 * m.prefix_hit_rate, 1),
-              round(100 * m.sharing_saving, 1))
+              round(m.tokens_per_s, 1), gain, m.preemptions, round(100 * m.shared_hit_rate, 1),
+              round(100 * m.readmit_hit_rate, 1), round(100 * m.sharing_saving, 1))
+        if m.prefix_hit_rate:
+            hits.append(f"{name} {100 * m.shared_hit_rate:.1f}% from other requests, "
+                        f"{100 * m.readmit_hit_rate:.1f}% recomputed after preemption")
         if res.dropped:
             dropped.append(f"{name} dropped {res.dropped:,} of {len(reqs):,} requests, which could never fit "
                            "its KV memory even alone")
@@ -267,6 +270,11 @@ def _table(args: argparse.Namespace, num_blocks: int, cost: CostModel, reqs: lis
             + ", ".join(f"{100 * m.token_share:.1f}% for {n}" for n, m in others) + ").")
     t.notes[:0] = ([f"Left out: {left_out[1]}."] if left_out else []) + (
         [f"Dropped: {'; '.join(dropped)}; its ratios count only the requests it served."] if dropped else [])
+    if hits:
+        t.notes.append("Prefix hits (prompt tokens found in the cache, of those admissions looked up): "
+                       + "; ".join(hits) + ". A request preempted and readmitted finds its own blocks "
+                       "still cached: those hits save the recompute, they are not sharing between requests")
+    t.notes.append("paged speed-up: the paged cache's requests/s over each allocator's")
     t.notes += workload_notes
     if hybrid is not None:
         t.notes.append(
@@ -278,7 +286,7 @@ def _table(args: argparse.Namespace, num_blocks: int, cost: CostModel, reqs: lis
             f"{hybrid.budget_bytes / 2**30:.2f} GiB. The cost model prices every layer reading the whole "
             "context for all of them")
     if any(n in POLICY_NAMES.values() or "buddy" in n for n in metrics):
-        t.notes.append("Reservations (vLLM paper 6.1): Max reserves --max-len, Pow2 the prompt + the output "
+        t.notes.append("Reservations (vLLM paper 6.1): Max reserves the context limit, Pow2 the prompt + the output "
                        "rounded up to a power of two, Oracle the prompt + the true output, each placed by a "
                        "classic buddy allocator")
     t.notes.append(f"shares time-weighted over iterations with requests waiting (all busy ones if none); "
