@@ -13,18 +13,18 @@ the published means (ShareGPT, Alpaca) or lengths drawn from the Azure traces' p
 ``azure-conv-trace``, ``azure-code-trace`` and ``mooncake-trace`` replay the real traces shipped
 with pagedkv; a file path replays your own. The output says which kind it ran.
 
-Defaults are the vLLM paper's setup, where KV memory limits the batch: OPT-13B on an A100-40GB
-(40 GiB x 0.9 - 23.9 GiB of weights = 12 GiB of KV, 15,728 token slots; 1.555 TB/s, 312 TFLOP/s),
-a 2,048-token context, and every request of a built-in workload at t = 0 (saturated). The KV
-memory is what the model leaves on the GPU (``--gpu-mem-gib`` x ``--util`` - weights, as ``pagedkv
-size`` computes it) or ``--kv-gib``; step times come from the bandwidth cost model. The table gives
-each allocator's time-weighted memory breakdown while requests wait, its batch size and its
-throughput, and what paging serves against each reservation.
+Defaults are the vLLM paper's setup, where KV memory limits the batch: OPT-13B on an A100-40GB,
+its 2,048-token context, and every request of a built-in workload at t = 0 (saturated). The KV
+memory is what the model leaves on the GPU (``--gpu-mem-gib`` x ``--util`` - weights, as
+``pagedkv size`` computes it) or ``--kv-gib``; step times come from the bandwidth cost model. The
+table gives each allocator's time-weighted memory breakdown while requests wait, its batch size
+and its throughput, and what paging serves against each reservation.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,7 +34,7 @@ from ..sim.sizing import MAX_MEMORY_GIB
 from ..sim.costmodel import A100_40GB_HBM_BYTES_PER_S, A100_BF16_FLOPS, CostModel
 from ..sim.metrics import compute
 from ..sim.scheduler import GUARD_PRESETS, simulate
-from ..report.tables import Table
+from ..report.tables import TEXT_WIDTH, Table
 from . import (
     MAX_BLOCKS,
     UsageError,
@@ -50,7 +50,7 @@ from . import (
     reports_errors,
 )
 
-__all__ = ["add_arguments", "run", "MAX_BLOCKS", "MAX_REQUESTS", "MAX_LEN", "SHIPPED_TRACES"]
+__all__ = ["add_arguments", "run", "describe", "MAX_BLOCKS", "MAX_REQUESTS", "MAX_LEN", "SHIPPED_TRACES"]
 
 MAX_REQUESTS = 1_000_000
 MAX_LEN = 1 << 20
@@ -101,6 +101,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action="store_true", help="progress bar on stderr")
     add_data_dir_argument(p)
+
+
+def describe() -> str:
+    """The ``--help`` text: the module docstring and the default setup's KV memory, computed by
+    :func:`kv_memory` as a run computes it. OPT-13B on 40 GiB at 0.9: 36 - 23.92 GiB of weights
+    = 12.08 GiB of KV, 989 blocks of 16 tokens (12.5 MiB each), 15,824 token slots."""
+    from ..sim.sizing import GIB, get_model, kv_size
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args([])
+    num_blocks, cost = kv_memory(args, grouped=True)
+    block_bytes = kv_size(get_model(args.model), block_size=args.block_size).bytes_per_block
+    weights = cost.weight_bytes / GIB
+    text = (f"The default setup, as a run computes it: {args.gpu_mem_gib:g} GiB x {args.util:g} - {weights:.2f} "
+            f"GiB of {args.model} weights = {args.gpu_mem_gib * args.util - weights:.2f} GiB of KV, {num_blocks:,} "
+            f"blocks of {args.block_size} tokens ({block_bytes / 2**20:g} MiB each), {num_blocks * args.block_size:,} "
+            f"token slots; {args.bandwidth_tbs:g} TB/s, {args.tflops:g} TFLOP/s.")
+    return f"{__doc__.rstrip()}\n\n{textwrap.fill(text, TEXT_WIDTH)}\n"
 
 
 def _check(args: argparse.Namespace) -> None:
