@@ -1,0 +1,141 @@
+"""What the commands the README suggests tell their user: nothing is left out or dropped without a
+word, prefix hits say where they come from, the help states the numbers a run prints, a long
+run shows progress, the benchmark ends in a verdict, and no internal name reaches the output.
+
+Each test runs the command in-process through ``pagedkv.cli.main`` on a few requests (a few
+seconds at most) and reads what it printed; the expectations are computed from the same trace
+or the same simulator, never typed in.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+
+from pagedkv.cli import main
+from pagedkv.sim.traces import load_trace, trace_path
+
+
+def run(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def flat(text: str) -> str:
+    """The output with its line wrapping undone (notes wrap at 100 columns)."""
+    return " ".join(text.split())
+
+
+def notes(out: str) -> list[str]:
+    """The table's notes, in order, each on one line (a note starts with two spaces, its
+    continuation lines with four)."""
+    return [flat(n) for n in re.split(r"\n  (?=\S)", out)[1:]]
+
+
+def mooncake(n: int) -> list:
+    return load_trace(trace_path("mooncake", None), limit=n)
+
+
+# ---- the context limit: the model's own, and whatever it leaves out is said ---------------------
+
+
+def test_simulate_defaults_the_context_limit_to_the_models_context(capsys):
+    """gpt-oss-20b serves up to 131,072 tokens: no Mooncake request is left out by a default
+    2,048-token limit (it used to leave out most of them and print every ratio as 1.00x)."""
+    rc, out, _ = run(["simulate", "mooncake-trace", "--model", "gpt-oss-20b", "--weights-gib", "13",
+                      "--num-requests", "20", "--allocator", "paged"], capsys)
+    text = flat(out)
+    assert rc == 0
+    assert ": 20 requests on " in text
+    assert "context limit 131,072 tokens: gpt-oss-20b's context (--max-len sets it)" in text
+    assert "Left out" not in text
+
+
+def test_simulate_says_first_how_many_requests_the_limit_left_out(capsys):
+    raw = mooncake(20)
+    left = sum(r.prompt_len >= 2048 for r in raw)
+    assert 0 < left < 20
+    rc, out, _ = run(["simulate", "mooncake-trace", "--num-requests", "20", "--allocator", "paged",
+                      "--max-len", "2048", "--kv-gib", "12"], capsys)
+    text = flat(out)
+    assert rc == 0
+    assert f": {20 - left} requests served, {left} left out (see the first note) on " in text
+    first_note = notes(out)[0]
+    assert flat(first_note) == (f"Left out: {left} of 20 requests, whose prompt is 2,048 tokens or longer: the "
+                                "context limit (--max-len); a larger --max-len serves them.")
+
+
+def test_simulate_limits_the_default_context_to_what_the_kv_cache_holds(capsys):
+    """Llama-3.1-8B's 131,072 tokens do not fit 1 GiB of its KV (512 blocks of 16, 8,192 slots):
+    the limit is what the cache holds, and the note says so."""
+    rc, out, _ = run(["simulate", "sharegpt", "--model", "Llama-3.1-8B", "--kv-gib", "1", "--num-requests", "5",
+                      "--allocator", "paged"], capsys)
+    assert rc == 0
+    assert ("context limit 8,192 tokens: what the KV cache holds (Llama-3.1-8B's context is 131,072) "
+            "(--max-len sets it)") in flat(out)
+
+
+def test_fleet_says_how_many_requests_the_context_limit_cut(capsys):
+    raw = mooncake(30)
+    cut = sum(r.total_len > 4096 for r in raw)
+    assert 0 < cut < 30
+    rc, out, _ = run(["fleet", "--num-requests", "30", "--router", "round-robin", "--replicas", "2",
+                      "--max-len", "4096"], capsys)
+    assert rc == 0
+    assert (f"{cut} of 30 requests were longer than the context limit of 4,096 tokens (--max-len) and were "
+            "cut to fit it") in flat(out)
+    rc, out, _ = run(["fleet", "--num-requests", "30", "--router", "round-robin", "--replicas", "2"], capsys)
+    assert rc == 0 and "context limit 131,072 tokens: Llama-3.1-8B's context (--max-len sets it)" in flat(out)
+    assert "were cut" not in out
+
+
+# ---- prefix hits: other requests' blocks apart from a preempted request's own --------------------
+
+
+def test_simulate_names_recompute_hits_apart_from_shared_ones(capsys):
+    """Synthetic ShareGPT prompts share nothing: every hit is a preempted request finding its own
+    blocks at readmission. The two counts add up to the cache's own hit rate."""
+    from pagedkv.sim.baselines import make_allocator
+    from pagedkv.sim.metrics import compute
+    from pagedkv.sim.scheduler import simulate
+    from pagedkv.sim.workloads import load_workload
+
+    rc, out, _ = run(["simulate", "sharegpt", "--num-requests", "100", "--allocator", "paged"], capsys)
+    assert rc == 0
+    reqs = [replace(r, arrival=0.0) for r in load_workload("sharegpt", 100, 0, max_len=2048)]
+    m = compute(simulate(reqs, make_allocator("paged", 989, 16, 2048), max_len=2048))
+    assert m.preemptions > 0 and m.shared_hit_rate == 0.0
+    assert m.readmit_hit_rate == pytest.approx(m.prefix_hit_rate) and m.prefix_hit_rate > 0
+    assert (f"paged 0.0% from other requests, {100 * m.readmit_hit_rate:.1f}% recomputed after preemption"
+            in flat(out))
+    assert "prefix hit %" not in out
+
+
+def test_shared_and_recompute_hits_add_up_to_the_caches_count():
+    """On Mooncake, whose prompts share content, hits come from other requests too."""
+    from pagedkv.sim.baselines import make_allocator
+    from pagedkv.sim.metrics import compute
+    from pagedkv.sim.scheduler import simulate
+
+    reqs = [replace(r, arrival=0.0) for r in mooncake(40)]
+    res = simulate(reqs, make_allocator("paged", 3000, 16, 8192), max_len=8192)
+    m = compute(res)
+    assert m.shared_hit_rate > 0
+    assert res.looked_up_tokens == res.usage.prefix_query_tokens
+    assert res.first_hit_tokens + res.readmit_hit_tokens == res.usage.prefix_hit_tokens
+
+
+# ---- the help states what a run prints ------------------------------------------------------------
+
+
+def test_simulate_help_gives_the_token_slots_a_run_uses(capsys):
+    rc, help_text, _ = run(["simulate", "--help"], capsys)
+    assert rc == 0
+    slots = re.search(r"([\d,]+) token slots", flat(help_text)).group(1)
+    rc, out, _ = run(["simulate", "--num-requests", "5", "--allocator", "paged"], capsys)
+    assert rc == 0 and f"on {slots} KV slots (OPT-13B)" in flat(out)
