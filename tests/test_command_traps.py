@@ -8,7 +8,9 @@ or the same simulator, never typed in.
 """
 from __future__ import annotations
 
+import io
 import re
+import sys
 from dataclasses import replace
 
 import pytest
@@ -139,3 +141,36 @@ def test_simulate_help_gives_the_token_slots_a_run_uses(capsys):
     slots = re.search(r"([\d,]+) token slots", flat(help_text)).group(1)
     rc, out, _ = run(["simulate", "--num-requests", "5", "--allocator", "paged"], capsys)
     assert rc == 0 and f"on {slots} KV slots (OPT-13B)" in flat(out)
+
+
+# ---- progress on stderr: when asked, or on a terminal once the run is long ------------------------
+
+FLEET = ["fleet", "--num-requests", "20", "--router", "round-robin", "--replicas", "2"]
+
+
+class _Terminal(io.StringIO):
+    """A stderr that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_fleet_draws_progress_when_asked(capsys):
+    rc, out, err = run(FLEET + ["--progress"], capsys)
+    assert rc == 0 and "round-robin" in out
+    assert err.startswith("\rfleet [") and err.endswith("\n")
+    assert "100% 20/20 every router done" in err.split("\r")[-1]
+
+
+def test_fleet_draws_progress_unasked_only_on_a_terminal_after_five_seconds(capsys, monkeypatch):
+    from pagedkv import commands
+
+    rc, _, err = run(FLEET, capsys)  # stderr redirected (captured): no bar
+    assert rc == 0 and err == ""
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert run(FLEET, capsys)[0] == 0
+    assert terminal.getvalue() == ""  # a sub-second run on a terminal: nothing
+    monkeypatch.setattr(commands, "AUTO_PROGRESS_DELAY_S", 0.0)  # as if it had run 5 s
+    assert run(FLEET, capsys)[0] == 0
+    assert "100% 20/20 every router done" in terminal.getvalue()

@@ -38,6 +38,7 @@ __all__ = [
     "check_data_dir",
     "check_model",
     "context_limit",
+    "progress_bar",
     "kv_memory",
     "grouped_kv_memory",
     "MAX_BLOCKS",
@@ -49,6 +50,9 @@ __all__ = [
     "WRITE_FAILED_EXIT",
 ]
 
+# A command shows progress on a terminal's stderr unasked only once it has run this long: a
+# shorter run prints nothing more than its result.
+AUTO_PROGRESS_DELAY_S = 5.0
 USAGE_EXIT = 2  # argparse's exit status for a usage error; every subcommand uses it
 WRITE_FAILED_EXIT = 1  # the work ran, its output could not be written (disk full, I/O error)
 # What one simulated replica can hold in memory and time on a laptop: the manager keeps about 8
@@ -283,6 +287,23 @@ def context_limit(args, spec, capacity: int, hi: int) -> tuple[int | None, str]:
         return limit, f"{spec.name}'s context"
     held = "what the KV cache holds" if limit == capacity else "the simulator's limit"
     return limit, f"{held} ({spec.name}'s context is {spec.max_context:,})"
+
+
+def progress_bar(args, total: int, label: str):
+    """The progress bar a long command draws on stderr (a :class:`~pagedkv.sim.progress.Progress`
+    over ``total`` steps), or None: drawn from the start when ``--progress`` asks for it; drawn
+    unasked when stderr is a terminal, once the run has taken :data:`AUTO_PROGRESS_DELAY_S`; never
+    on a redirected stderr unless asked (a log file gets no bar)."""
+    from ..sim.progress import Progress
+
+    asked = bool(getattr(args, "progress", False))
+    if not asked:
+        try:
+            if not sys.stderr.isatty():
+                return None
+        except (AttributeError, ValueError):  # no stderr, or a closed one
+            return None
+    return Progress(total, label, delay=0.0 if asked else AUTO_PROGRESS_DELAY_S)
 
 
 def _weights(args, spec) -> int:

@@ -48,6 +48,7 @@ from . import (
     context_limit,
     emit,
     kv_memory,
+    progress_bar,
     reports_errors,
     write_text_atomically,
 )
@@ -116,7 +117,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tflops", type=float, default=H100_BF16_FLOPS / 1e12, help="peak TFLOP/s for prefill")
     p.add_argument("--overhead-ms", type=float, default=1.0, help="fixed overhead per iteration (ms)")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the results as JSON")
-    p.add_argument("--progress", action="store_true", help="a line on stderr every 1,000 requests")
+    p.add_argument("--progress", action="store_true",
+                   help="a progress bar on stderr from the start (on a terminal it appears unasked once the "
+                        "run has taken 5 s)")
     add_data_dir_argument(p)
 
 
@@ -272,12 +275,12 @@ def run(args: argparse.Namespace) -> int:
     reqs, limit_note = _requests(args, path, num_blocks, origin)
     names = list(ROUTERS) if args.router == "all" else ["precise", "dynamo"] if args.router == "dynamo" else [args.router]
     results = []
-    for name in names:
+    bar = progress_bar(args, len(names) * len(reqs), "fleet")
+    for k, name in enumerate(names):
         progress = None
-        if args.progress:
-            print(f"fleet: {name} ({len(reqs):,} requests)", file=sys.stderr)
-            progress = lambda done, total, name=name: print(  # noqa: E731
-                f"fleet: {name} {done:,}/{total:,} requests", file=sys.stderr)
+        if bar is not None:
+            progress = lambda done, total, k=k, name=name: bar.update(  # noqa: E731
+                k * total + done, f"{name}: {done:,}/{total:,} requests routed")
         router = _router(args, name)
         try:
             results.append(run_fleet(reqs, router, args.replicas, num_blocks, block_size=args.block_size,
@@ -289,6 +292,8 @@ def run(args: argparse.Namespace) -> int:
         finally:
             if hasattr(router, "close"):
                 router.close()
+    if bar is not None:
+        bar.close(len(names) * len(reqs), "every router done")
     t = _table(args, results, len(reqs), fmt, num_blocks, cost, wire_available())
     if limit_note:
         t.notes.insert(0, limit_note)

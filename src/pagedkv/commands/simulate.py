@@ -47,6 +47,7 @@ from . import (
     emit,
     grouped_kv_memory,
     kv_memory,
+    progress_bar,
     reports_errors,
 )
 
@@ -99,7 +100,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="scheduler guards against livelock: vLLM v1's (default), all (plus skipping victims "
                         "that free nothing and a 5%% admission watermark) or none")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--progress", action="store_true", help="progress bar on stderr")
+    p.add_argument("--progress", action="store_true",
+                   help="a progress bar on stderr from the start (on a terminal it appears unasked once the "
+                        "run has taken 5 s)")
     add_data_dir_argument(p)
 
 
@@ -263,10 +266,18 @@ def _table(args: argparse.Namespace, num_blocks: int, cost: CostModel, reqs: lis
               "ylabel": "% of KV memory"},
     )
     metrics, dropped, hits = {}, [], []
-    for alloc in _allocators(args, num_blocks, hybrid):
+    allocators = _allocators(args, num_blocks, hybrid)
+    bar = progress_bar(args, len(allocators) * len(reqs), "simulate")
+    for k, alloc in enumerate(allocators):
+        report = None
+        if bar is not None:
+            report = lambda done, status, final, k=k, name=alloc.name: bar.update(  # noqa: E731
+                k * len(reqs) + done, f"{name} {status}")
         res = simulate(reqs, alloc, cost, max_len=args.max_len, max_num_seqs=args.max_num_seqs,
-                       progress=args.progress, guards=GUARD_PRESETS[args.guards])
+                       progress=report or False, guards=GUARD_PRESETS[args.guards])
         metrics[alloc.name] = (res, compute(res))
+    if bar is not None:
+        bar.close(len(allocators) * len(reqs), "every allocator done")
     paged = metrics.get("paged" if hybrid is None else GROUPED_NAME)
     for name, (res, m) in metrics.items():
         sh = {k: round(100 * v, 1) for k, v in m.shares.items()}

@@ -328,7 +328,7 @@ def run_fleet(requests: Sequence[Request], router: Router, replicas: int, num_bl
     ``key_tokens`` defines "the same prefix" for :meth:`FleetResult.replicas_per_prefix`.
     ``advance_order`` is the order in which replicas are advanced and drained at each arrival
     (default 0..n-1; any permutation gives the same result). ``progress(done, total)`` is called
-    every 1,000 requests. ``observer(i, replicas, router)`` sees the fleet just before request
+    after each request is routed (a progress bar throttles its own redraws). ``observer(i, replicas, router)`` sees the fleet just before request
     ``i`` (arrival order) is routed, the replicas advanced and their events delivered, and once
     more with ``i = len(requests)`` after the last replica drained (a test's window on both
     sides of the wire). Raises ``ValueError`` for bad arguments and
@@ -380,7 +380,7 @@ def run_fleet(requests: Sequence[Request], router: Router, replicas: int, num_bl
         servers[target].submit(req)
         assignment[i] = target
         keys[i] = prefix_key(req, key_tokens)
-        if progress is not None and (i + 1) % 1000 == 0:
+        if progress is not None:
             progress(i + 1, len(reqs))
     for j in order:
         servers[j].drain()
