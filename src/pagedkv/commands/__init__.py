@@ -271,10 +271,11 @@ def check_model(flag: str, name: str, *, grouped: bool = False):
     return spec
 
 
-def context_limit(args, spec, capacity: int, hi: int) -> tuple[int | None, str]:
+def context_limit(args, spec, capacity: int | None, hi: int) -> tuple[int | None, str]:
     """``(context limit, where it came from in words)`` for a serving command: ``--max-len`` when
-    given; else the model's own context (``max_position_embeddings``), at most the ``capacity``
-    tokens one KV cache holds (vLLM refuses a longer limit) and ``hi``. ``(None, "")`` when the
+    given; else the model's own context (``max_position_embeddings``), at most ``hi`` and the
+    ``capacity`` tokens one KV cache holds (None: no such cap; a command that reserves the limit
+    for every request needs it, where vLLM would refuse to start). ``(None, "")`` when the
     model states no context: the caller takes its longest request. Example: gpt-oss-20b (131,072)
     on 502,432 KV slots -> ``(131072, "gpt-oss-20b's context")``; Llama-3.1-8B on ``--kv-gib 1``
     (8,192 slots) -> ``(8192, "what the KV cache holds (Llama-3.1-8B's context is 131,072)")``."""
@@ -282,7 +283,7 @@ def context_limit(args, spec, capacity: int, hi: int) -> tuple[int | None, str]:
         return args.max_len, "--max-len"
     if spec.max_context is None:
         return None, ""
-    limit = min(spec.max_context, capacity, hi)
+    limit = min(spec.max_context, hi if capacity is None else capacity, hi)
     if limit == spec.max_context:
         return limit, f"{spec.name}'s context"
     held = "what the KV cache holds" if limit == capacity else "the simulator's limit"

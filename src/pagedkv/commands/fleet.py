@@ -205,10 +205,18 @@ def _requests(args: argparse.Namespace, path: Path, num_blocks: int, origin: str
         print(f"pagedkv fleet: --num-requests {args.num_requests:,}{default}: the trace has only {len(reqs):,} "
               f"request{'s' if len(reqs) != 1 else ''}; routing all of them", file=sys.stderr)
     if args.max_len is None:  # the model states no context: the longest request's
-        args.max_len = min(max(r.total_len for r in reqs), num_blocks * args.block_size, MAX_LEN)
+        args.max_len = min(max(r.total_len for r in reqs), MAX_LEN)
         origin = "the longest request, as the model states no context"
     clipped = [clip_request(r, args.max_len) for r in reqs]
-    check_fits(clipped, ReplicaAllocator(num_blocks, args.block_size), args.max_len)
+    try:
+        check_fits(clipped, ReplicaAllocator(num_blocks, args.block_size), args.max_len)
+    except ValueError:
+        longest = max(clipped, key=lambda r: r.total_len)
+        slots = num_blocks * args.block_size
+        raise UsageError(f"request {longest.req_id} needs {longest.total_len:,} tokens but one replica's KV cache "
+                         f"holds {slots:,} tokens ({num_blocks:,} blocks of {args.block_size}): it could never run; give "
+                         f"more KV memory (--kv-gib, --gpu-mem-gib) or --max-len {slots:,} or less "
+                         f"(now {args.max_len:,}: {origin})") from None
     cut = sum(c is not r for c, r in zip(clipped, reqs))
     note = "" if origin == "--max-len" else f"context limit {args.max_len:,} tokens: {origin} (--max-len sets it)"
     if cut:
@@ -270,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
     from ..sim.sizing import get_model
 
     num_blocks, cost = kv_memory(args, " per replica")
-    args.max_len, origin = context_limit(args, get_model(args.model), num_blocks * args.block_size, MAX_LEN)
+    args.max_len, origin = context_limit(args, get_model(args.model), None, MAX_LEN)
     path, fmt = _trace(args)
     reqs, limit_note = _requests(args, path, num_blocks, origin)
     names = list(ROUTERS) if args.router == "all" else ["precise", "dynamo"] if args.router == "dynamo" else [args.router]
