@@ -174,3 +174,35 @@ def test_fleet_draws_progress_unasked_only_on_a_terminal_after_five_seconds(caps
     monkeypatch.setattr(commands, "AUTO_PROGRESS_DELAY_S", 0.0)  # as if it had run 5 s
     assert run(FLEET, capsys)[0] == 0
     assert "100% 20/20 every router done" in terminal.getvalue()
+
+
+# ---- bench: bookkeeping measured once blocks are used, and a verdict --------------------------------
+
+
+def test_bench_measures_bookkeeping_of_used_blocks():
+    """An empty manager keeps ~0 bytes per block (it sets none up before first use); the row
+    measures blocks handed out and freed once: at least the 8-byte refcount slot each keeps."""
+    from pagedkv.bench.core import _bench_build
+
+    build, book = _bench_build(quick=True)
+    assert build["name"] == "build manager, 1,000,000 blocks"
+    assert "construction sets up no block" in build["note"]
+    assert book["name"] == "bookkeeping per block, 200,000 blocks used once"
+    assert book["unit"] == "B/block" and book["target"] == 32.0
+    assert book["median"] >= 8
+
+
+def test_bench_ends_with_a_verdict(capsys, monkeypatch):
+    from pagedkv.commands import bench
+
+    rows = [{"name": "fork", "median": 6.5, "unit": "µs", "target": 20.0, "note": ""},
+            {"name": "append_batch, 256 seqs", "median": 125.0, "unit": "µs", "target": 50.0, "note": ""},
+            {"name": "calibration", "median": 0.5, "unit": "µs", "target": None, "note": ""}]
+    monkeypatch.setattr(bench, "gather", lambda quick: rows)
+    rc, out, _ = run(["bench", "--quick"], capsys)
+    assert rc == 0
+    assert out.splitlines()[-2:] == ["Verdict: 1 of 2 rows with a target meet it; 1 does not:",
+                                     "  append_batch, 256 seqs: 2.50x its target"]
+    rows[1]["median"] = 40.0
+    rc, out, _ = run(["bench", "--quick"], capsys)
+    assert out.splitlines()[-1] == "Verdict: 2 of 2 rows with a target meet it."
