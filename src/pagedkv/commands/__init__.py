@@ -38,6 +38,7 @@ __all__ = [
     "check_data_dir",
     "check_model",
     "context_limit",
+    "attention_name",
     "progress_bar",
     "kv_memory",
     "grouped_kv_memory",
@@ -305,6 +306,16 @@ def progress_bar(args, total: int, label: str):
         except (AttributeError, ValueError):  # no stderr, or a closed one
             return None
     return Progress(total, label, delay=0.0 if asked else AUTO_PROGRESS_DELAY_S)
+
+
+def attention_name(a) -> str:
+    """An attention spec in plain words: ``SlidingWindow(128)`` -> "sliding window 128",
+    ``ChunkedLocalAttention(8192)`` -> "chunked local 8,192", ``FullAttention()`` -> "full"."""
+    if a.kind == "sliding_window":
+        return f"sliding window {a.window:,}"
+    if a.kind == "chunked_local_attention":
+        return f"chunked local {a.chunk:,}"
+    return "full"
 
 
 def _weights(args, spec) -> int:

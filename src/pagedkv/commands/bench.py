@@ -1,8 +1,7 @@
 """``pagedkv bench``: time the allocator's hot paths; one table of medians against the design targets.
 
-Rows come from :mod:`pagedkv.bench.core` (the allocator: the performance table of the design
-document, docs/design.md in the source repository, and a trace replay) and, when torch is
-installed, :mod:`pagedkv.bench.store` (the physical KV store). ``ratio`` is ``median / target``:
+Rows time the allocator (the performance table of the design document, docs/design.md in the
+source repository, and a trace replay) and, when torch is installed, the physical KV store. ``ratio`` is ``median / target``:
 at most 1 meets the target. Targets are goals, not results. Speed is never asserted anywhere;
 this command only measures and prints (``--json`` also writes the rows plus the machine
 description). On two cores the full run takes about 40 s, ``--quick`` a few seconds.

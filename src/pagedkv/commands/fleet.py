@@ -236,6 +236,28 @@ def _router(args: argparse.Namespace, name: str):
                        balance_rel=args.balance_rel, cache_threshold=args.cache_threshold)
 
 
+# The routers' decision counts (their ``stats`` keys, kept as they are in --json) in words.
+STAT_WORDS = {
+    "affinity": "{n} requests sent to the longest cached prefix",
+    "below_threshold": "{n} to the least loaded as their cached prefix was too short",
+    "guard": "{n} to the least loaded by the load guard",
+    "overflow": "{n} requests passed from a full owner to the next replica on the ring",
+    "sentinel_resent": "{n} retries to bring the index up to date",
+    "dynamo_equal": "Dynamo's overlap equal to ours for {n}",
+    "dynamo_last_block": "one last block longer for {n}",
+    "dynamo_other": "different for {n}",
+}
+
+
+def _stats_in_words(stats: dict) -> str:
+    """A router's decision counts as a phrase, in :data:`STAT_WORDS` order: ``{"affinity": 1,
+    "below_threshold": 39}`` -> ``"1 requests sent to the longest cached prefix, 39 to the least
+    loaded as their cached prefix was too short"``."""
+    known = [STAT_WORDS[k].format(n=f"{stats[k]:,}") for k in STAT_WORDS if k in stats]
+    other = [f"{k.replace('_', ' ')} {v:,}" for k, v in sorted(stats.items()) if k not in STAT_WORDS]
+    return ", ".join(known + other)
+
+
 def _table(args: argparse.Namespace, results: list, n: int, fmt: str, num_blocks: int, cost: CostModel,
            wire: bool = True) -> Table:
     t = Table(f"{args.trace}: {n:,} requests on {args.replicas} replicas of {num_blocks:,} blocks of "
@@ -254,7 +276,7 @@ def _table(args: argparse.Namespace, results: list, n: int, fmt: str, num_blocks
         if res.router.startswith("precise") and not wire:
             extra = ('; KV events delivered in process as event objects (same routing; install msgspec, '
                      'pip install "pagedkv[events]", to send them as vLLM wire bytes)')
-        stats = ", ".join(f"{k} {v:,}" for k, v in sorted(res.router_stats.items()))
+        stats = _stats_in_words(res.router_stats)
         if stats or extra or res.router != res.router.split(" ")[0]:
             t.notes.append(f"{res.router}" + (f": {stats}" if stats else "") + extra)
     t.notes.append("hit % = prompt tokens served from the replicas' prefix caches / prompt tokens asked for; "

@@ -39,6 +39,7 @@ from . import (
     MAX_BLOCKS,
     UsageError,
     add_data_dir_argument,
+    attention_name,
     check_data_dir,
     check_gpu_flags,
     check_int,
@@ -308,7 +309,8 @@ def _table(args: argparse.Namespace, num_blocks: int, cost: CostModel, reqs: lis
     t.notes += workload_notes
     if hybrid is not None:
         t.notes.append(
-            f"{hybrid.model} is a hybrid model ({', '.join(repr(g) for g in hybrid.groups)}): {GROUPED_NAME} "
+            f"{hybrid.model} is a hybrid model (attention groups: {', '.join(map(attention_name, hybrid.groups))}): "
+            f"{GROUPED_NAME} "
             f"keeps one table per KV cache group over {hybrid.grouped_blocks:,} blocks of "
             f"{hybrid.grouped_block_bytes / 2**10:g} KiB (one group's layers) and releases what a window no "
             f"longer reads; {UNIFORM_NAME} and the reservations keep every layer's K/V for the whole context "
