@@ -206,3 +206,67 @@ def test_bench_ends_with_a_verdict(capsys, monkeypatch):
     rows[1]["median"] = 40.0
     rc, out, _ = run(["bench", "--quick"], capsys)
     assert out.splitlines()[-1] == "Verdict: 2 of 2 rows with a target meet it."
+
+
+# ---- no internal name reaches the user ------------------------------------------------------------
+
+# Code names, module paths, issue numbers and code-style arguments: none may appear in what a
+# command prints. Snake-case words of three parts or more are code names unless listed below:
+# config.json keys a --config user types, vLLM's own flags, the report's --sections values and
+# public API names of the library.
+DENY = re.compile(
+    r"\bissue \d|below_threshold|paged x this|\bpagedkv\.[a-z_]+\.[a-z_]|\bopts\.[a-z]"
+    r"|\b[a-z_]+=(?:False|True|None)\b|\b(?:SlidingWindow|FullAttention|ChunkedLocalAttention)\("
+    r"|\b[a-z0-9]+(?:_[a-z0-9]+){2,}\b")
+ALLOWED = {"kv_lora_rank", "qk_rope_head_dim", "max_position_embeddings", "kv_offloading_backend",
+           "kv_offloading_size", "swap_vs_recompute", "host_write_policy", "blocks_saved_by_sharing"}
+
+
+def internal_names(text: str) -> list[str]:
+    """The denied words in ``text``; file names (``wrote DIR/chunked_prefix_hits.png``) are not
+    words."""
+    text = re.sub(r"\S+\.(?:png|md|json)\b", "", text)
+    return sorted({m.group(0) for m in DENY.finditer(text)} - ALLOWED)
+
+
+def test_the_deny_list_catches_what_it_is_for():
+    assert internal_names("issue 19 target <= 2; affinity 1, below_threshold 39; paged x this") == [
+        "below_threshold", "issue 1", "paged x this"]
+    assert internal_names("from pagedkv.sim.sizing, opts.model, fit_check=False, copies_per_block") == [
+        "copies_per_block", "fit_check=False", "opts.m", "pagedkv.sim.s"]
+    assert internal_names("hybrid (SlidingWindow(window=128), FullAttention())") == [
+        "FullAttention(", "SlidingWindow("]
+    assert internal_names("append_batch, 256 seqs; kv_lora_rank; pip install pagedkv[events]; "
+                          "vLLM issue #49674; --max-len; token states %") == []
+
+
+@pytest.mark.parametrize("argv", [
+    ["simulate", "--num-requests", "20"],
+    ["simulate", "sharegpt", "--model", "gpt-oss-20b", "--weights-gib", "13", "--num-requests", "20"],
+    ["fleet", "--num-requests", "30", "--replicas", "2"],
+    ["size", "Llama-3.1-8B"],
+    ["size", "gpt-oss-20b"],
+    ["size", "DeepSeek-V3"],
+    ["size", "--list"],
+    *[[cmd, "--help"] for cmd in ("simulate", "fleet", "size", "bench", "report")],
+])
+def test_no_internal_name_in_a_commands_output(argv, capsys):
+    rc, out, err = run(argv, capsys)
+    assert rc == 0, err
+    assert internal_names(out + err) == []
+
+
+def test_no_internal_name_in_the_report(capsys, tmp_path):
+    """The report's fast sections (about a second), printed and written as report.md."""
+    rc, out, err = run(["report", "--quick", "--sections", "fork_cost,cow_case,cow_proof,chunked_spec,"
+                        "swap_vs_recompute", "--out", str(tmp_path)], capsys)
+    assert rc == 0, err
+    assert internal_names((out + err).replace(str(tmp_path), "DIR")) == []
+    assert internal_names((tmp_path / "report.md").read_text()) == []
+
+
+def test_no_internal_name_in_the_benchmark(capsys):
+    """``bench --quick`` (about ten seconds on two cores)."""
+    rc, out, err = run(["bench", "--quick"], capsys)
+    assert rc == 0, err
+    assert internal_names(out + err) == []

@@ -127,7 +127,9 @@ def _options_lines(opts: ReportOptions, sections: list[Section]) -> list[str]:
     for sec in sections:
         models.setdefault(sec.data.get("model", opts.model), []).append(sec.key)
     parts = [f"{model} in {', '.join(keys)}" for model, keys in models.items()]
-    text = ("Options: " + ", ".join(f"{k}={v}" for k, v in shown.items())
+    flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in shown.items()
+             if v is not None and v is not False]  # as the user would type them
+    text = ("Options: " + (" ".join(flags) or "the defaults")
             + f". Model (--model {opts.model}): " + "; ".join(parts) + ".")
     return textwrap.wrap(text, 100, break_long_words=False, break_on_hyphens=False)
 

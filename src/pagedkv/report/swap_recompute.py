@@ -2,10 +2,10 @@
 
 A preempted sequence of ``L`` tokens is either recomputed (``L`` tokens of prefill, whatever the
 block size) or swapped: ``ceil(L / B)`` blocks copied to host memory and back, each block as
-``copies_per_block`` copies that each pay a fixed latency before their bytes flow. Small blocks
-are all latency, so swapping loses to recomputing; large blocks amortise it and swapping wins.
-Every number here comes from :mod:`pagedkv.sim.swap_cost` (the link model and its stated
-parameters) and the cost model of ``opts.model`` on an H100.
+one or more copies that each pay a fixed latency before their bytes flow. Small blocks are all
+latency, so swapping loses to recomputing; large blocks amortise it and swapping wins. Every
+number here comes from the simulator's link model (its stated parameters) and the cost model of
+the report's model (``--model``) on an H100.
 
 The per-copy latency is an assumption, not a measurement, so the section shows the spread it
 causes (2, 5, 10 and 20 µs, and 0: bandwidth alone) rather than one point, and two layouts: vLLM's

@@ -125,7 +125,7 @@ def check_fits(requests: Iterable[Request], allocator: KVAllocator, max_len: int
             f"the whole KV cache of {allocator.name} holds {allocator.capacity:,} slots "
             f"({allocator.capacity // bs:,} blocks): it could never run. Give the cache at least "
             f"{blocks:,} blocks or clip requests to max_len <= {allocator.capacity // bs * bs:,} "
-            f"(now {max_len:,}); without the fit check (fit_check=False) it runs into a livelock")
+            f"(now {max_len:,}); without the check that a request fits, it runs into a livelock")
 
 
 def freeable_blocks(allocator: KVAllocator, req_id: str) -> int | None:
