@@ -37,9 +37,11 @@ from ..sim.costmodel import H100_BF16_FLOPS, H100_HBM_BYTES_PER_S, CostModel
 from ..sim.routers import (DEFAULT_EPS, DEFAULT_KEY_TOKENS, DEFAULT_VNODES, ROUTERS, SGLANG_BALANCE_ABS,
                            SGLANG_BALANCE_REL, SGLANG_CACHE_THRESHOLD, make_router)
 from ..report.tables import Table
+from ..sim.sizing import MAX_MEMORY_GIB
 from . import (
     UsageError,
     add_data_dir_argument,
+    attention_name,
     check_gpu_flags,
     check_data_dir,
     check_int,
@@ -47,6 +49,7 @@ from . import (
     check_out_file,
     context_limit,
     emit,
+    grouped_kv_memory,
     kv_memory,
     progress_bar,
     reports_errors,
@@ -112,6 +115,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="GPU memory per replica (default 80, an H100)")
     p.add_argument("--util", type=float, default=0.9, help="memory utilisation (default 0.9)")
     p.add_argument("--kv-gib", type=float, default=None, help="KV budget per replica in GiB instead")
+    p.add_argument("--weights-gib", type=float, default=None,
+                   help="weights per replica in GiB (default: estimated from the model's config; needed for "
+                        "a mixture-of-experts model such as gpt-oss)")
     p.add_argument("--bandwidth-tbs", type=float, default=H100_HBM_BYTES_PER_S / 1e12,
                    help="HBM bandwidth in TB/s (default 3.35, H100 SXM)")
     p.add_argument("--tflops", type=float, default=H100_BF16_FLOPS / 1e12, help="peak TFLOP/s for prefill")
@@ -140,6 +146,8 @@ def _check(args: argparse.Namespace) -> None:
     check_int("--block-size", args.block_size, 1, args.max_len, " (at most --max-len)")
     check_int("--max-num-seqs", args.max_num_seqs, 1)
     check_gpu_flags(args)
+    if args.weights_gib is not None:
+        check_number("--weights-gib", args.weights_gib, lo_open=False, hi=MAX_MEMORY_GIB, why=" (1 PiB)")
     check_data_dir("--data-dir", args.data_dir)
     if args.json is not None:
         check_out_file("--json", args.json)
@@ -188,7 +196,8 @@ def _trace(args: argparse.Namespace) -> tuple[Path, str]:
     return path, detect_format(path)
 
 
-def _requests(args: argparse.Namespace, path: Path, num_blocks: int, origin: str) -> tuple[list, str]:
+def _requests(args: argparse.Namespace, path: Path, num_blocks: int, origin: str,
+              groups=None) -> tuple[list, str]:
     """The requests clipped to the context limit ``args.max_len`` (the replicas would clip them;
     the routers see what the replicas serve, so a precise router never hashes tokens no replica
     can hold), refused when one cannot fit a replica's cache; and a note on the limit and on
@@ -209,7 +218,7 @@ def _requests(args: argparse.Namespace, path: Path, num_blocks: int, origin: str
         origin = "the longest request, as the model states no context"
     clipped = [clip_request(r, args.max_len) for r in reqs]
     try:
-        check_fits(clipped, ReplicaAllocator(num_blocks, args.block_size), args.max_len)
+        check_fits(clipped, ReplicaAllocator(num_blocks, args.block_size, groups=groups), args.max_len)
     except ValueError:
         longest = max(clipped, key=lambda r: r.total_len)
         slots = num_blocks * args.block_size
@@ -225,7 +234,7 @@ def _requests(args: argparse.Namespace, path: Path, num_blocks: int, origin: str
     return clipped, note
 
 
-def _router(args: argparse.Namespace, name: str):
+def _router(args: argparse.Namespace, name: str, groups=None):
     if name == "dynamo":
         from ..sim.dynamo_router import DynamoRouter
 
@@ -233,7 +242,7 @@ def _router(args: argparse.Namespace, name: str):
                             args.cache_threshold, indexer_url=args.indexer_url)
     return make_router(name, vnodes=args.vnodes, eps=args.eps, seed=args.ring_seed, key_tokens=args.key_tokens,
                        block_size=args.block_size, hash_algo=args.hash_algo, balance_abs=args.balance_abs,
-                       balance_rel=args.balance_rel, cache_threshold=args.cache_threshold)
+                       balance_rel=args.balance_rel, cache_threshold=args.cache_threshold, groups=groups)
 
 
 # The routers' decision counts (their ``stats`` keys, kept as they are in --json) in words.
@@ -296,13 +305,22 @@ def run(args: argparse.Namespace) -> int:
     from ..sim.dynamo_router import IndexerError
     from ..sim.fleet import run_fleet, wire_available
 
-    _check(args)
     from ..sim.sizing import get_model
 
-    num_blocks, cost = kv_memory(args, " per replica")
-    args.max_len, origin = context_limit(args, get_model(args.model), None, MAX_LEN)
+    _check(args)
+    num_blocks, cost = kv_memory(args, " per replica", grouped=True)
+    spec = get_model(args.model)
+    hybrid = grouped_kv_memory(args, " per replica") if spec.is_hybrid else None
+    groups = None
+    if hybrid is not None:
+        if args.router == "dynamo":
+            raise UsageError(f"--router dynamo: Dynamo's indexer matches one block table per replica, and "
+                             f"--model {spec.name} is a hybrid model (one table per attention group); "
+                             "use --router precise")
+        num_blocks, groups = hybrid.grouped_blocks, list(hybrid.groups)
+    args.max_len, origin = context_limit(args, spec, None, MAX_LEN)
     path, fmt = _trace(args)
-    reqs, limit_note = _requests(args, path, num_blocks, origin)
+    reqs, limit_note = _requests(args, path, num_blocks, origin, groups)
     names = list(ROUTERS) if args.router == "all" else ["precise", "dynamo"] if args.router == "dynamo" else [args.router]
     results = []
     bar = progress_bar(args, len(names) * len(reqs), "fleet")
@@ -311,12 +329,12 @@ def run(args: argparse.Namespace) -> int:
         if bar is not None:
             progress = lambda done, total, k=k, name=name: bar.update(  # noqa: E731
                 k * total + done, f"{name}: {done:,}/{total:,} requests routed")
-        router = _router(args, name)
+        router = _router(args, name, groups)
         try:
             results.append(run_fleet(reqs, router, args.replicas, num_blocks, block_size=args.block_size,
                                      cost=cost, hash_algo=args.hash_algo, max_len=args.max_len,
                                      max_num_seqs=args.max_num_seqs, key_tokens=args.key_tokens,
-                                     progress=progress))
+                                     progress=progress, groups=groups))
         except IndexerError as e:  # the Dynamo indexer did not start, answer or catch up
             raise UsageError(f"--router {name}: {e}") from None
         finally:
@@ -327,10 +345,18 @@ def run(args: argparse.Namespace) -> int:
     t = _table(args, results, len(reqs), fmt, num_blocks, cost, wire_available())
     if limit_note:
         t.notes.insert(0, limit_note)
+    if hybrid is not None:
+        t.notes.append(
+            f"{spec.name} is a hybrid model (attention groups: {', '.join(map(attention_name, groups))}): each "
+            f"replica keeps one table per group over {num_blocks:,} blocks of {hybrid.grouped_block_bytes / 2**10:g} "
+            f"KiB (one group's layers; {hybrid.budget_bytes / 2**30:.2f} GiB) and releases what a window no longer "
+            "reads; a prefix hits where every group holds what it reads. The cost model prices every layer "
+            "reading the whole context")
     emit(t.to_text())
     if args.json is not None:
         payload = {"trace": str(path), "format": fmt, "requests": len(reqs), "replicas": args.replicas,
                    "blocks_per_replica": num_blocks, "block_size": args.block_size, "cost_model": cost.describe(),
+                   "attention_groups": [attention_name(g) for g in groups] if groups else ["full"],
                    "events": "wire" if wire_available() else "in process", "results": [r.summary() for r in results]}
         write_text_atomically("--json", args.json, json.dumps(payload, indent=1))
     return 0
