@@ -270,3 +270,50 @@ def test_no_internal_name_in_the_benchmark(capsys):
     rc, out, err = run(["bench", "--quick"], capsys)
     assert rc == 0, err
     assert internal_names(out + err) == []
+
+
+# ---- a hybrid model in fleet: sized and served by attention group -----------------------------------
+
+
+def test_fleet_serves_a_hybrid_model_by_attention_group(capsys):
+    """gpt-oss-20b on 4 GiB per replica: 10,922 blocks of one group's layers (384 KiB), not the
+    5,461 uniform blocks of every layer; the precise router matches by the managers' rule."""
+    from pagedkv.sim.hybrid_serving import hybrid_memory
+    from pagedkv.sim.sizing import GIB, get_model
+
+    memory = hybrid_memory(get_model("gpt-oss-20b"), 4 * GIB)
+    assert (memory.grouped_blocks, memory.uniform_blocks) == (10_922, 5_461)
+    rc, out, err = run(["fleet", "--model", "gpt-oss-20b", "--weights-gib", "13", "--kv-gib", "4",
+                        "--num-requests", "30", "--replicas", "2", "--router", "precise", "--max-len", "65536"],
+                       capsys)
+    assert rc == 0, err
+    text = flat(out)
+    assert f"30 requests on 2 replicas of {memory.grouped_blocks:,} blocks of 16 (gpt-oss-20b)" in text
+    assert (f"gpt-oss-20b is a hybrid model (attention groups: sliding window 128, full): each replica keeps "
+            f"one table per group over {memory.grouped_blocks:,} blocks of 384 KiB") in text
+
+
+def test_fleet_replicas_of_a_hybrid_model_stay_consistent_under_preemption():
+    """Replicas with two attention groups, memory tight enough to preempt: every request
+    finishes, and every manager's structures agree at the end (its own full check)."""
+    from pagedkv.kv_specs import FullAttention, SlidingWindow
+    from pagedkv.sim.fleet import run_fleet
+    from pagedkv.sim.routers import make_router
+    from pagedkv.sim.scheduler import clip_request
+
+    groups = [SlidingWindow(128), FullAttention()]
+    # long outputs, all at t = 0: decoding outgrows what admission left free
+    reqs = [replace(clip_request(r, 1000), arrival=0.0, output_len=1500) for r in mooncake(40)]
+    checked = []
+
+    def check_at_end(i, replicas, router):
+        if i == len(reqs):
+            for rep in replicas:
+                rep.alloc.m.check_invariants()
+                checked.append(rep.name)
+
+    res = run_fleet(reqs, make_router("precise", groups=groups), 2, 600, max_len=4096, groups=groups,
+                    observer=check_at_end, wire=False)
+    assert len(checked) == 2
+    assert sum(r.preemptions for r in res.replicas) > 0
+    assert sum(r.finished for r in res.replicas) == len(reqs)

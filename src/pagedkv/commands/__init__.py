@@ -255,9 +255,9 @@ def check_model(flag: str, name: str, *, grouped: bool = False):
     """The built-in model ``name`` (a ``ModelSpec``), or a :class:`UsageError` naming ``flag``.
 
     A hybrid model (sliding-window or chunked layers) is refused unless the command serves it
-    grouped (``grouped=True``: ``simulate``, whose paged allocator keeps a table per attention
-    group); a command that would size every layer for the whole context would overstate its KV
-    by half or more (``pagedkv size``)."""
+    grouped (``grouped=True``: ``simulate`` and ``fleet``, whose paged managers keep a table per
+    attention group); a command that would size every layer for the whole context (``report``)
+    would overstate its KV by half or more (``pagedkv size``)."""
     from ..sim.sizing import builtin_models, get_model
 
     try:
@@ -266,9 +266,10 @@ def check_model(flag: str, name: str, *, grouped: bool = False):
         raise UsageError(f"{flag} {name!r} is not a built-in model; choose from "
                          f"{', '.join(builtin_models())} (pagedkv size --list)") from None
     if spec.is_hybrid and not grouped:
-        raise UsageError(f"{flag} {spec.name} is a hybrid model (sliding-window or chunked layers), which "
-                         f"this command would size as uniform; pagedkv simulate --model {spec.name} serves it "
-                         f"grouped, pagedkv size {spec.name} shows its grouped KV")
+        raise UsageError(f"{flag} {spec.name} is a hybrid model (sliding-window or chunked layers), which this "
+                         "command would size as if every layer kept the whole context; pagedkv simulate and "
+                         f"pagedkv fleet serve it by attention group (--model {spec.name}), pagedkv size "
+                         f"{spec.name} shows its grouped KV")
     return spec
 
 

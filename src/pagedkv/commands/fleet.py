@@ -217,15 +217,18 @@ def _requests(args: argparse.Namespace, path: Path, num_blocks: int, origin: str
         args.max_len = min(max(r.total_len for r in reqs), MAX_LEN)
         origin = "the longest request, as the model states no context"
     clipped = [clip_request(r, args.max_len) for r in reqs]
+    replica = ReplicaAllocator(num_blocks, args.block_size, groups=groups)
     try:
-        check_fits(clipped, ReplicaAllocator(num_blocks, args.block_size, groups=groups), args.max_len)
+        check_fits(clipped, replica, args.max_len)
     except ValueError:
         longest = max(clipped, key=lambda r: r.total_len)
-        slots = num_blocks * args.block_size
-        raise UsageError(f"request {longest.req_id} needs {longest.total_len:,} tokens but one replica's KV cache "
-                         f"holds {slots:,} tokens ({num_blocks:,} blocks of {args.block_size}): it could never run; give "
-                         f"more KV memory (--kv-gib, --gpu-mem-gib) or --max-len {slots:,} or less "
-                         f"(now {args.max_len:,}: {origin})") from None
+        need = replica.prompt_blocks(longest.total_len)
+        per_group = f" ({replica.num_groups} attention groups)" if replica.num_groups > 1 else ""
+        fits = num_blocks // replica.num_groups * args.block_size
+        raise UsageError(f"request {longest.req_id} needs {longest.total_len:,} tokens, {need:,} blocks of "
+                         f"{args.block_size}{per_group}, but one replica's KV cache holds {num_blocks:,} blocks: "
+                         f"it could never run; give more KV memory (--kv-gib, --gpu-mem-gib) or --max-len "
+                         f"{fits:,} or less (now {args.max_len:,}: {origin})") from None
     cut = sum(c is not r for c, r in zip(clipped, reqs))
     note = "" if origin == "--max-len" else f"context limit {args.max_len:,} tokens: {origin} (--max-len sets it)"
     if cut:
