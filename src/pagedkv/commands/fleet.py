@@ -10,7 +10,9 @@ Examples:
 
 Each replica is a real KVCacheManager behind the serving scheduler and the bandwidth cost model
 (H100 and Llama-3.1-8B by default, like ``pagedkv simulate``); the replicas advance together in
-simulated time and the router decides at each request's arrival. Routers: round-robin,
+simulated time and the router decides at each request's arrival (a hybrid ``--model``, such as
+gpt-oss-20b with ``--weights-gib``, keeps one block table per attention group on every replica,
+as ``pagedkv simulate`` serves it). Routers: round-robin,
 least-loaded, ring (consistent hashing of the prompt's first ``--key-tokens`` tokens with
 ``--vnodes`` virtual nodes per replica), ring-bounded (the same with bounded loads: a replica
 takes a request only under ceil((1 + eps) x average) requests in flight), and precise (an index
