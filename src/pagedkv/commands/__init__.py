@@ -40,6 +40,7 @@ __all__ = [
     "context_limit",
     "attention_name",
     "progress_bar",
+    "check_requests_fit",
     "kv_memory",
     "grouped_kv_memory",
     "MAX_BLOCKS",
@@ -290,6 +291,27 @@ def context_limit(args, spec, capacity: int | None, hi: int) -> tuple[int | None
         return limit, f"{spec.name}'s context"
     held = "what the KV cache holds" if limit == capacity else "the simulator's limit"
     return limit, f"{held} ({spec.name}'s context is {spec.max_context:,})"
+
+
+def check_requests_fit(requests, allocator, limit: int, origin: str, where: str = "the KV cache") -> None:
+    """A :class:`UsageError` in the command's words when the longest of ``requests`` (already
+    cut to the context ``limit``, which came from ``origin``) cannot fit ``allocator``'s whole
+    cache even alone: it could never run. Says the flags that fix it. Example: a 1,891-token
+    request on 5 blocks of 16 needs 119 blocks; a limit of 80 tokens would fit."""
+    from ..sim.scheduler import check_fits
+
+    try:
+        check_fits(requests, allocator, limit)
+    except ValueError:
+        longest = max(requests, key=lambda r: r.total_len)
+        bs, groups = allocator.block_size, getattr(allocator, "num_groups", 1)
+        need, blocks = allocator.prompt_blocks(longest.total_len), allocator.capacity // bs
+        per_group = f" ({groups} attention groups)" if groups > 1 else ""
+        now = f"now {limit:,}" + ("" if origin == "--max-len" else f": {origin}")
+        raise UsageError(f"request {longest.req_id} needs {longest.total_len:,} tokens, {need:,} blocks of {bs}"
+                         f"{per_group}, but {where} holds {blocks:,} blocks: it could never run; give more KV "
+                         f"memory (--kv-gib, --gpu-mem-gib) or --max-len {blocks // groups * bs:,} or less "
+                         f"({now})") from None
 
 
 def progress_bar(args, total: int, label: str):

@@ -49,6 +49,7 @@ from . import (
     check_int,
     check_number,
     check_out_file,
+    check_requests_fit,
     context_limit,
     emit,
     grouped_kv_memory,
@@ -205,7 +206,7 @@ def _requests(args: argparse.Namespace, path: Path, num_blocks: int, origin: str
     can hold), refused when one cannot fit a replica's cache; and a note on the limit and on
     how many requests it clipped ("" when it clipped none and ``--max-len`` set it)."""
     from ..sim.fleet import ReplicaAllocator
-    from ..sim.scheduler import check_fits, clip_request
+    from ..sim.scheduler import clip_request
     from ..sim.traces import load_trace
 
     reqs = load_trace(path, limit=args.num_requests)
@@ -219,18 +220,8 @@ def _requests(args: argparse.Namespace, path: Path, num_blocks: int, origin: str
         args.max_len = min(max(r.total_len for r in reqs), MAX_LEN)
         origin = "the longest request, as the model states no context"
     clipped = [clip_request(r, args.max_len) for r in reqs]
-    replica = ReplicaAllocator(num_blocks, args.block_size, groups=groups)
-    try:
-        check_fits(clipped, replica, args.max_len)
-    except ValueError:
-        longest = max(clipped, key=lambda r: r.total_len)
-        need = replica.prompt_blocks(longest.total_len)
-        per_group = f" ({replica.num_groups} attention groups)" if replica.num_groups > 1 else ""
-        fits = num_blocks // replica.num_groups * args.block_size
-        raise UsageError(f"request {longest.req_id} needs {longest.total_len:,} tokens, {need:,} blocks of "
-                         f"{args.block_size}{per_group}, but one replica's KV cache holds {num_blocks:,} blocks: "
-                         f"it could never run; give more KV memory (--kv-gib, --gpu-mem-gib) or --max-len "
-                         f"{fits:,} or less (now {args.max_len:,}: {origin})") from None
+    check_requests_fit(clipped, ReplicaAllocator(num_blocks, args.block_size, groups=groups), args.max_len,
+                       origin, "one replica's KV cache")
     cut = sum(c is not r for c, r in zip(clipped, reqs))
     note = "" if origin == "--max-len" else f"context limit {args.max_len:,} tokens: {origin} (--max-len sets it)"
     if cut:

@@ -33,7 +33,7 @@ from ..sim.hybrid_serving import GROUPED_NAME, UNIFORM_NAME, HybridMemory, hybri
 from ..sim.sizing import MAX_MEMORY_GIB
 from ..sim.costmodel import A100_40GB_HBM_BYTES_PER_S, A100_BF16_FLOPS, CostModel
 from ..sim.metrics import compute
-from ..sim.scheduler import GUARD_PRESETS, simulate
+from ..sim.scheduler import GUARD_PRESETS, clip_request, simulate
 from ..report.tables import TEXT_WIDTH, Table
 from . import (
     MAX_BLOCKS,
@@ -44,6 +44,7 @@ from . import (
     check_gpu_flags,
     check_int,
     check_number,
+    check_requests_fit,
     context_limit,
     emit,
     grouped_kv_memory,
@@ -177,9 +178,9 @@ def _source(args: argparse.Namespace) -> tuple[str | Path, str]:
 
 
 def _requests(args: argparse.Namespace, limit: int | None,
-              origin: str) -> tuple[list, str, list[str], tuple[int, str] | None]:
+              origin: str) -> tuple[list, str, list[str], tuple[int, str] | None, str]:
     """(requests, their source in words, notes on arrivals and the context limit, None or how
-    many requests were left out and why). ``limit`` is the context limit (None: the model states none, so the
+    many requests were left out and why, where the limit came from). ``limit`` is the context limit (None: the model states none, so the
     longest request of a trace, or the vLLM paper's 2,048 for a synthetic workload); it is set as
     ``args.max_len``, which everything after serves under."""
     from ..report.fig2 import PAPER_MAX_LEN, fit_to_model
@@ -192,10 +193,17 @@ def _requests(args: argparse.Namespace, limit: int | None,
         if limit is None:
             limit, origin = PAPER_MAX_LEN, "the vLLM paper's, as the model states no context"
         args.max_len = limit
+        if src in LOGNORMAL_SPECS:
+            try:
+                share = over_limit_share(src, limit)
+            except ValueError:  # the limit is too tight to keep the published means
+                spec = LOGNORMAL_SPECS[src]
+                raise UsageError(f"{src}'s lengths (mean prompt {spec.prompt_mean:g} + output {spec.output_mean:g} "
+                                 f"tokens) do not fit a context limit of {limit:,} tokens ({origin}): give more KV "
+                                 "memory (--kv-gib, --gpu-mem-gib) or a larger --max-len") from None
         reqs = load_workload(src, args.num_requests, args.seed, max_len=limit, rate=rate,
                              n=args.n, beam_width=args.beam_width)
         if src in LOGNORMAL_SPECS:
-            share = over_limit_share(src, limit)
             notes.append(f"{100 * share:.1f}% of lognormal draws exceed the context limit {limit:,} and are "
                          "redrawn (the means are re-solved to stay the published ones)")
     else:
@@ -228,7 +236,7 @@ def _requests(args: argparse.Namespace, limit: int | None,
         notes.append(f"Poisson arrivals at {rate:g} requests/s")
     else:
         notes.append("arrivals at the trace's own timestamps")
-    return reqs, what, notes, left_out
+    return reqs, what, notes, left_out, origin
 
 
 def _allocators(args: argparse.Namespace, num_blocks: int, hybrid: HybridMemory | None) -> list:
@@ -251,7 +259,7 @@ def _allocators(args: argparse.Namespace, num_blocks: int, hybrid: HybridMemory 
 
 def _table(args: argparse.Namespace, num_blocks: int, cost: CostModel, reqs: list, what: str,
            workload_notes: list[str], hybrid: HybridMemory | None = None,
-           left_out: tuple[int, str] | None = None) -> Table:
+           left_out: tuple[int, str] | None = None, origin: str = "--max-len") -> Table:
     """The results table. Whatever was not served (requests left out for the context limit, or
     dropped by an allocator because one could never fit) is said in the title and in the first
     notes, before any ratio that it changes."""
@@ -268,6 +276,10 @@ def _table(args: argparse.Namespace, num_blocks: int, cost: CostModel, reqs: lis
     )
     metrics, dropped, hits = {}, [], []
     allocators = _allocators(args, num_blocks, hybrid)
+    fitted = [clip_request(r, args.max_len) for r in reqs]
+    for alloc in allocators:
+        if GUARD_PRESETS[args.guards].fit_check:
+            check_requests_fit(fitted, alloc, args.max_len, origin, f"the KV cache of {alloc.name}")
     bar = progress_bar(args, len(allocators) * len(reqs), "simulate")
     for k, alloc in enumerate(allocators):
         report = None
@@ -336,6 +348,6 @@ def run(args: argparse.Namespace) -> int:
     spec = get_model(args.model)
     hybrid = grouped_kv_memory(args) if spec.is_hybrid else None
     limit, origin = context_limit(args, spec, num_blocks * args.block_size, MAX_LEN)
-    reqs, what, notes, left_out = _requests(args, limit, origin)
-    emit(_table(args, num_blocks, cost, reqs, what, notes, hybrid, left_out).to_text())
+    reqs, what, notes, left_out, origin = _requests(args, limit, origin)
+    emit(_table(args, num_blocks, cost, reqs, what, notes, hybrid, left_out, origin).to_text())
     return 0
