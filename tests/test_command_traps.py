@@ -82,6 +82,27 @@ def test_simulate_limits_the_default_context_to_what_the_kv_cache_holds(capsys):
             "(--max-len sets it)") in flat(out)
 
 
+def test_simulate_says_first_what_an_allocator_dropped(capsys):
+    """Max reserves the 1,300-token limit, more than 1 GiB of OPT-13B KV holds (1,296 slots):
+    it drops every request, and the first note says so before any ratio."""
+    rc, out, _ = run(["simulate", "alpaca", "--kv-gib", "1", "--max-len", "1300", "--num-requests", "20",
+                      "--allocator", "max"], capsys)
+    assert rc == 0 and "20 requests on 1,296 KV slots" in flat(out)
+    assert notes(out)[0] == ("Dropped: Max dropped 20 of 20 requests, which could never fit its KV memory even "
+                             "alone; its ratios count only the requests it served.")
+
+
+def test_a_models_context_comes_from_its_config():
+    from pagedkv.sim.sizing import get_model, spec_from_config
+
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}
+    assert spec_from_config(cfg).max_context is None
+    assert spec_from_config({**cfg, "max_position_embeddings": 4096}).max_context == 4096
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        spec_from_config({**cfg, "max_position_embeddings": 0})
+    assert get_model("OPT-13B").max_context == 2048  # the vLLM paper's context, simulate's default
+
+
 def test_fleet_says_how_many_requests_the_context_limit_cut(capsys):
     raw = mooncake(30)
     cut = sum(r.total_len > 4096 for r in raw)

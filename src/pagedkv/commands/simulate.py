@@ -317,7 +317,8 @@ def _table(args: argparse.Namespace, num_blocks: int, cost: CostModel, reqs: lis
         t.notes.append("Prefix hits (prompt tokens found in the cache, of those admissions looked up): "
                        + "; ".join(hits) + ". A request preempted and readmitted finds its own blocks "
                        "still cached: those hits save the recompute, they are not sharing between requests")
-    t.notes.append("paged speed-up: the paged cache's requests/s over each allocator's")
+    if paged and len(metrics) > 1:
+        t.notes.append("paged speed-up: the paged cache's requests/s over each allocator's")
     t.notes += workload_notes
     if hybrid is not None:
         t.notes.append(
