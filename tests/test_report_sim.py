@@ -337,7 +337,8 @@ def test_simulate_names_a_real_trace(capsys):
     assert simulate.run(args) == 0
     out = capsys.readouterr().out
     assert "(real trace: azure_llm_2023_conv.csv" in out
-    assert "have a prompt of --max-len 2,048 tokens or more and are left out" in out
+    assert ("requests, whose prompt is 2,048 tokens or longer: the context limit (OPT-13B's context)"
+            in " ".join(out.split()))
 
 
 def test_fig2_leaves_out_a_trace_nothing_of_which_fits(tmp_path):

@@ -34,7 +34,7 @@ from ..sim.page_layout import equal_page_layout, vllm_group_layers
 from ..sim.state_sizing import get_hybrid, hybrid_from_config, is_hybrid_state_config
 from .size_hybrid import REPLAY_TRACES, hybrid_tables, list_table as hybrid_list_table
 from ..report.tables import Table
-from . import UsageError, check_int, check_number, emit, reports_errors
+from . import UsageError, attention_name, check_int, check_number, emit, reports_errors
 
 __all__ = ["add_arguments", "run"]
 
@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests of each --replay trace (the first N; default %(default)s)")
     parser.add_argument("--max-running", type=int, default=1024,
                         help="most requests running at once in a --replay (default %(default)s, vLLM's "
-                             "max_num_seqs on GPUs of 70 GiB or more)")
+                             "--max-num-seqs on GPUs of 70 GiB or more)")
 
 
 DEFAULT_CONTEXTS = (4096, 8192, 32768, 131072)
@@ -149,18 +149,9 @@ def _list_table(args: argparse.Namespace) -> Table:
     return t
 
 
-def _attention_name(a) -> str:
-    """``SlidingWindow(128)`` -> "sliding window 128"; ``FullAttention()`` -> "full"."""
-    if a.kind == "sliding_window":
-        return f"sliding window {a.window:,}"
-    if a.kind == "chunked_local_attention":
-        return f"chunked local {a.chunk:,}"
-    return "full"
-
-
 def _layer_mix(spec: ModelSpec) -> str:
     """"12 sliding window 128 + 12 full" for a hybrid model, "32 full" for a uniform one."""
-    return " + ".join(f"{n} {_attention_name(a)}" for a, n in attention_groups(spec))
+    return " + ".join(f"{n} {attention_name(a)}" for a, n in attention_groups(spec))
 
 
 def _hybrid_tables(args: argparse.Namespace, spec: ModelSpec, budget: int | None) -> list[Table]:
@@ -170,7 +161,7 @@ def _hybrid_tables(args: argparse.Namespace, spec: ModelSpec, budget: int | None
     groups = Table(f"Attention groups: {spec.name} (per GPU, block size {args.block_size})",
                    ["group", "attention", "layers", "bytes/token", "bytes/block"])
     for i, g in enumerate(group_kv(spec, 0, **kw)):
-        groups.add(i, _attention_name(g.attention), g.layers, g.bytes_per_token, g.bytes_per_block)
+        groups.add(i, attention_name(g.attention), g.layers, g.bytes_per_token, g.bytes_per_block)
     cols = ["context tokens", "uniform MiB", "grouped MiB", "saved %"]
     pages = None
     if budget is not None:
@@ -186,7 +177,7 @@ def _hybrid_tables(args: argparse.Namespace, spec: ModelSpec, budget: int | None
         per_request.add(*row)
     per_request.notes.append(
         "grouped: a sliding-window group holds the blocks its last position read (window W: "
-        "about W/block_size + 1 blocks), a chunked-local group the blocks of the current chunk, "
+        "about W / block size + 1 blocks), a chunked-local group the blocks of the current chunk, "
         "a full group every block; uniform: every layer keeps every block")
     if budget is not None:
         per_request.notes.append("requests fit = KV budget // bytes per request, each group's blocks "

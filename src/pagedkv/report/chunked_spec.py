@@ -128,7 +128,7 @@ def _timeline_table(rows, bs) -> Table:
             "B hits: lookup(B) right after this step's scheduling (side-effect free). Chunked, B hits "
             "only blocks whose positions are all scheduled: a block published in this step is "
             "computed in this step's forward, before B's attention reads it",
-            "B hits, whole: A admitted whole (add_sequence without a chunk size, prefill=None: every "
+            "B hits, whole: A admitted whole (add_sequence with no chunk size: every "
             "prompt position counts as scheduled at admission) publishes every full block at step 0, "
             "before an engine computing the prompt in chunks has its K/V. A's last partial block is "
             "published when decoding fills it"):

@@ -7,7 +7,7 @@ rounded up to a power of two (Pow2), 38.2% when it reserves its true length (Ora
 by the buddy algorithm, and 96.3% with vLLM's paging; the rest of each bar is reservation,
 internal fragmentation (memory reserved beyond a request's real length) and external
 fragmentation & others (the buddy's rounding among them). We rebuild that experiment from parts that
-run: the same KV memory (OPT-13B, 12 GiB -> 15,728 token slots, from pagedkv.sim.sizing), the
+run: the same KV memory (OPT-13B, 12 GiB -> 15,728 token slots, as pagedkv size computes it), the
 three reservations as real buddy allocators, the real KVCacheManager for paging, one
 continuous-batching scheduler for all four, and the A100's bandwidth for step times. The headline
 is a serving run: Poisson arrivals at 1.25 x the rate paging serves when saturated (measured and
