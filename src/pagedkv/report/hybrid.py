@@ -73,7 +73,7 @@ def _memory_table(rows) -> Table:
     t.notes += [
         "uniform: every layer keeps every block of the context (today's allocator); grouped: a "
         "sliding-window layer keeps the blocks its last position read, a chunked-local layer those "
-        "of its current chunk, a full layer every block (kv_specs.blocks_held).",
+        "of its current chunk, a full layer every block.",
         "computed from each model's config fields (pagedkv size MODEL shows them); saved % is what "
         "a uniform allocator holds beyond what the model can ever attend to.",
     ]

@@ -24,7 +24,7 @@ __all__ = ["hit_cost_tables", "HIT_MODELS"]
 # the model's weights (gpt-oss-20b: 59.2 GiB of KV; Gemma 3 27B: 19.1 GiB).
 HIT_MODELS = (("gpt-oss-20b", ("H100",)), ("Gemma-3-27B", ("H100",)))
 QUICK_HIT_MODELS = (("gpt-oss-20b", ("H100",)),)
-HIT_REQUESTS, QUICK_HIT_REQUESTS = 300, 120
+HIT_REQUESTS, QUICK_HIT_REQUESTS = 300, 60
 ORDERS = ("with_prefix", "on_release")
 ORDER_NAMES = {"with_prefix": "window blocks re-aged with their prefix",
                "on_release": "window blocks in plain LRU order"}
@@ -111,5 +111,5 @@ NOTES = [
         "plain LRU: they stay where they were released, the first evicted, and a prefix whose "
         "full-attention blocks survive can hit nothing past its last whole window (the reuse cliff)",
         "at most 16 sequences resident, finished in arrival order (early when blocks run out); each "
-        "output appended before its sequence finishes; hits counted by the manager's usage()",
+        "output appended before its sequence finishes; hits counted by the manager itself",
 ]
