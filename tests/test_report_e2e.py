@@ -86,7 +86,7 @@ def test_quick_report_json_tables_are_whole(quick_report):
 
 
 def test_quick_report_markdown_and_pngs(quick_report):
-    _, _, err, out_dir = quick_report
+    _, _, _, out_dir = quick_report
     md = (out_dir / "report.md").read_text()
     payload = json.loads((out_dir / "report.json").read_text())
     assert md.startswith("# pagedkv report\n")
@@ -101,7 +101,6 @@ def test_quick_report_markdown_and_pngs(quick_report):
     assert images and sorted(images) == pngs
     for name in pngs:
         assert (out_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        assert f"wrote {out_dir / name}" in err
     # Short, stable names, one per plotted table, chosen by the section (the plot hint's name)
     assert all(re.fullmatch(r"[a-z0-9_]{1,40}\.png", name) for name in pngs), pngs
     assert set(pngs) == {f"{n}.png" for n in EXPECTED_PLOTS}
@@ -328,7 +327,7 @@ def test_plots_are_optional(tmp_path, monkeypatch, capsys):
     assert [p.name for p in written] == ["report.md", "report.json"]
     assert "![" not in (tmp_path / "out" / "report.md").read_text()
     assert main(["report", "--quick", "--sections", "cow_case", "--out", str(tmp_path / "cli")]) == 0
-    assert "no PNG plots: matplotlib is not installed" in capsys.readouterr().err
+    assert "No PNG plots: matplotlib is not installed" in capsys.readouterr().out  # with the summary
 
 
 # ---- text rendering -----------------------------------------------------------------------------

@@ -175,7 +175,9 @@ def test_hit_cost_budgets_are_one_gpus_memory():
             assert deployment_budget(model, gpu) / GIB < 80 * 0.9
     tables, data, _ = hybrid_hits.hit_cost_tables(QUICK)
     row = data["rows"][0]
-    assert row["gpu"] == "H100" and row["gib"] == pytest.approx(deployment_budget("gpt-oss-20b", "H100") / GIB)
+    budget = deployment_budget("gpt-oss-20b", "H100") / GIB
+    assert row["gpu"] == "H100" and row["gib"] <= budget
+    assert row["gib"] == pytest.approx(budget) or row["fraction"] == 1  # capped at what never evicts
     assert "H100 80 GiB" in tables[0].notes[0] and "0.9 utilisation" in tables[0].notes[0]
 
 

@@ -148,11 +148,11 @@ def run(args: argparse.Namespace) -> int:
         progress("writing report.md, report.json and the plots")
         written = _write_out(sections, opts, args.out)
         pngs = [p for p in written if p.suffix == ".png"]
-        where = (f"The whole report: {args.out / 'report.md'} (Markdown), {args.out / 'report.json'} "
-                 f"(every number), and {len(pngs)} PNG plots in {args.out}.")
+        where = (f"The whole report: {args.out / 'report.md'} (Markdown) and {args.out / 'report.json'} "
+                 f"(every number)" + (f", with {len(pngs)} PNG plots in {args.out}." if pngs else "."))
+        lines = textwrap.wrap(where, 100, break_long_words=False)
         if not plot_available():
-            where += " No PNG plots: matplotlib is not installed (pip install 'pagedkv[plot]')."
-        text = render_text(sections, summary_only=True, opts=opts)
-        emit(text + "\n" + "\n".join(textwrap.wrap(where, 100, break_long_words=False)))
+            lines.append("No PNG plots: matplotlib is not installed (pip install 'pagedkv[plot]').")
+        emit(render_text(sections, summary_only=True, opts=opts) + "\n" + "\n".join(lines))
     print(f"[pagedkv report] done in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return 0

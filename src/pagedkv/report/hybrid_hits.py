@@ -86,8 +86,9 @@ def _budget_note() -> str:
              for model, gpus in HIT_MODELS for gpu in gpus]
     gpus = sorted({g for _, gs in HIT_MODELS for g in gs})
     return (f"KV GiB: one GPU's memory ({', '.join(f'{g} {GPUS[g]:g} GiB' for g in gpus)}) x {UTIL} "
-            f"utilisation, less the model's weights ({'; '.join(parts)}); share: of the bytes a uniform "
-            "cache needs to keep every request's prompt and output (nothing evicted).")
+            f"utilisation, less the model's weights ({'; '.join(parts)}), or what a cache that never evicts "
+            "needs if that is less; share: of the bytes a uniform cache needs to keep every request's "
+            "prompt and output (nothing evicted).")
 
 
 def _points(rows: list[dict], a: str, b: str) -> str:
