@@ -1,8 +1,9 @@
 """``pagedkv report``: the main job. Measures fork cost, copy-on-write, and memory waste.
 
 With no arguments it runs every section on the built-in workloads and the public traces shipped
-with pagedkv, and prints plain-text tables (about 170 s on two cores, measured); ``--out DIR`` also
-writes report.md, report.json and PNG plots. Progress goes to stderr, the report to stdout.
+with pagedkv, and prints the summary and every section as plain-text tables (about 140 s of CPU,
+measured as README.md says); ``--out DIR`` writes report.md, report.json and PNG plots instead and
+prints only the summary and where they went. Progress goes to stderr.
 """
 from __future__ import annotations
 
@@ -43,10 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"run only these sections, in this order; any of: {', '.join(SECTIONS)}")
     p.add_argument("--seed", type=int, default=0, help="seed of every workload (default 0)")
     p.add_argument("--quick", action="store_true",
-                   help="small workloads: about 30 s on two cores instead of about 170 s; a smoke "
+                   help="small workloads: about 20 s of CPU instead of about 140 s; a smoke "
                         "run whose numbers are noisier")
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
-                   help="also write report.md, report.json and PNG plots (with matplotlib) here")
+                   help="write report.md, report.json and PNG plots (with matplotlib) here, and print "
+                        "only the summary")
 
 
 def _sections(text: str | None) -> list[str] | None:
