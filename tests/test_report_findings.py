@@ -198,7 +198,7 @@ def test_sharegpt_finding_places_each_width_against_the_papers_range():
     from pagedkv.report.findings import _against_range
 
     assert _against_range("Parallel sampling", [0.182, 0.357], (16.2, 30.5)) == (
-        "Parallel sampling against 16.2-30.5%: at width 2 inside it and at width 6 above it (35.7%);")
+        "Parallel sampling against 16.2-30.5%: at width 2 inside it and at width 6 above it (35.7%)")
 
 
 # ---- 5, 7. reading it: order, header, summary, stdout -------------------------------------------

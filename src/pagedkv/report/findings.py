@@ -139,7 +139,7 @@ def _sharing(sec: Section) -> list[Finding]:
             MEASURED,
             _against_range("Parallel sampling", [got["parallel/2"]["saved"], got["parallel/6"]["saved"]],
                            rng["parallel"])
-            + " " + _against_range("beam search", [got["beam/2"]["saved"], got["beam/6"]["saved"]], rng["beam"])
+            + "; " + _against_range("beam search", [got["beam/2"]["saved"], got["beam/6"]["saved"]], rng["beam"])
             + "; beams that share more than the paper's come from the synthetic beam model, not the "
               "allocator, as on Alpaca."))
     return out
@@ -147,14 +147,14 @@ def _sharing(sec: Section) -> list[Finding]:
 
 def _against_range(what: str, saved: list[float], rng) -> str:
     """Where the saving at widths 2 and 6 falls against a published range, in words:
-    "Parallel sampling at width 2 is inside 16.2-30.5%, at 6 above it (35.7%);"."""
+    "Parallel sampling against 16.2-30.5%: at width 2 inside it and at width 6 above it (35.7%)"."""
     lo, hi = rng
     parts = []
     for width, x in zip((2, 6), saved):
         pct = 100 * x
         where = "inside it" if lo <= pct <= hi else f"{'above' if pct > hi else 'below'} it ({pct:.1f}%)"
         parts.append(f"at width {width} {where}")
-    return f"{what} against {lo:g}-{hi:g}%: {' and '.join(parts)};"
+    return f"{what} against {lo:g}-{hi:g}%: {' and '.join(parts)}"
 
 
 def _swap(sec: Section) -> list[Finding]:
@@ -272,9 +272,14 @@ def _hybrid(sec: Section) -> list[Finding]:
         out.append(Finding(
             "Prefix hits, grouped cache (hybrid hit rule) minus uniform, one GPU's KV memory (Mooncake)",
             f"{min(rule):+.2f} to {max(rule):+.2f} points", "-", MEASURED,
-            f"{where}. Re-aging released window blocks with their prefix gains {min(order):+.2f} to "
-            f"{max(order):+.2f} points over plain LRU order: it removes what plain LRU order loses (the "
-            f"reuse cliff), but not the grouped cache's own gap to uniform, "
+            f"{where}. "
+            + (f"Re-aging released window blocks with their prefix gains {min(order):+.2f} to "
+               f"{max(order):+.2f} points over plain LRU order: it removes what plain LRU order loses "
+               "(the reuse cliff), "
+               if max(abs(x) for x in order) >= 0.005 else
+               "Re-aging released window blocks with their prefix changes nothing over plain LRU order "
+               "here (no reuse cliff at these budgets); it removes what plain LRU order loses, ")
+            + "but not the grouped cache's own gap to uniform, "
             + ("which is nil at these budgets." if none else
                f"{min(rule):+.2f} to {max(rule):+.2f} points here.")))
     return out

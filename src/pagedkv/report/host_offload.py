@@ -492,8 +492,8 @@ def _serve_table(opts: ReportOptions, path: Path, cost: CostModel) -> tuple[Tabl
         "the device pool, write-back. Offload: recompute preemption, a readmitted victim loads what "
         "the device offloaded (the trace has no shared content, so nothing else hits). Swap: the "
         "victim's private blocks go to the host and come back before new admissions; a victim "
-        "admitted in the same step is recomputed. Swap only: the same with host_write_policy "
-        "'none' (vLLM v0's swap space): evicted prefixes are forgotten, not offloaded.")
+        "admitted in the same step is recomputed. Swap only: the same with the host tier holding "
+        "swapped sequences alone (vLLM v0's swap space): evicted prefixes are forgotten, not offloaded.")
     t.notes.append(
         "Transfer wait: what steps waited for loads, swap-outs and offloads beyond their compute "
         f"(the simulator's transfer model); link {Link().describe()}. Preemptions differ between "

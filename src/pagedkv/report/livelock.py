@@ -278,7 +278,7 @@ def _ablation_table(opts: ReportOptions, cost: CostModel) -> tuple[Table, dict]:
                        "completed": res.completed, "iterations": res.iterations}
     split = sum("/" in r.req_id for r in reqs)
     table.notes.append(
-        f"Mixed workload (mixed_workload): {sum(r.req_id.startswith('s') for r in reqs)} single requests, "
+        f"Mixed workload: {sum(r.req_id.startswith('s') for r in reqs)} single requests, "
         f"{split // 8} parallel-sampling requests of 8 split into {split} requests, "
         f"{sum(r.req_id.startswith('k') for r in reqs)} groups of 4 samples, all at t = 0, prompts 20-119 "
         f"and outputs 50-249 tokens, plus one 8-sample group of 200 + {slots // 6} tokens that fits one "

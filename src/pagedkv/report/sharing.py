@@ -231,8 +231,8 @@ def section(opts: ReportOptions) -> Section:
                       y=["saved %", "serving run saved %"],
                       legend={"saved %": "saved, requests at t = 0",
                               "serving run saved %": "saved, serving run (Poisson arrivals)"},
-                      title="Section 6.3 on ShareGPT-like lengths: % of blocks saved by sharing at widths 2 "
-                            "and 6, at t = 0 and in a serving run, against the paper's range")
+                      title="ShareGPT-like lengths (vLLM section 6.3): % of blocks saved at widths 2 and 6, "
+                            "at t = 0 and served")
     from ..sim.workloads import LOGNORMAL_SPECS
 
     assumed = ", ".join(f"{label} {LOGNORMAL_SPECS[wl].output_sigma:g}" for wl, label in
