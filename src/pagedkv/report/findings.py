@@ -253,7 +253,7 @@ def _fleet(sec: Section) -> list[Finding]:
 def _hybrid(sec: Section) -> list[Finding]:
     mem = sec.data["memory"]["gpt-oss-20b"]
     short, long_ = min(mem, key=int), max(mem, key=int)
-    out = [Finding(f"KV one gpt-oss-20b request holds, grouped by attention type, against uniform",
+    out = [Finding("KV one gpt-oss-20b request holds, grouped by attention type, against uniform",
                    f"-{_pct(mem[short]['saved'])} at {int(short):,} tokens, -{_pct(mem[long_]['saved'])} "
                    f"at {int(long_):,}", "-", COMPUTED,
                    "A sliding-window layer keeps only the blocks its window reads.")]
