@@ -139,7 +139,7 @@ def test_sharing_range_brackets_its_point_estimate(sharing_section):
 
 def test_sharing_beam_finding_says_the_excess_is_the_synthetic_beam_model(sharing_section):
     found = [f for f in findings([sharing_section]) if "beam" in f.claim]
-    assert found and all("synthetic beam model" in f.gap and "synthetic" in f.how for f in found)
+    assert found and all("synthetic beam model" in f.gap for f in found)
 
 
 def test_sharegpt_parallel_sampling_at_t0_is_stable_over_two_seeds():
@@ -175,7 +175,9 @@ def test_hit_cost_budgets_are_one_gpus_memory():
             assert deployment_budget(model, gpu) / GIB < 80 * 0.9
     tables, data, _ = hybrid_hits.hit_cost_tables(QUICK)
     row = data["rows"][0]
-    assert row["gpu"] == "H100" and row["gib"] == pytest.approx(deployment_budget("gpt-oss-20b", "H100") / GIB)
+    budget = deployment_budget("gpt-oss-20b", "H100") / GIB
+    assert row["gpu"] == "H100" and row["gib"] <= budget
+    assert row["gib"] == pytest.approx(budget) or row["fraction"] == 1  # capped at what never evicts
     assert "H100 80 GiB" in tables[0].notes[0] and "0.9 utilisation" in tables[0].notes[0]
 
 
@@ -196,7 +198,7 @@ def test_sharegpt_finding_places_each_width_against_the_papers_range():
     from pagedkv.report.findings import _against_range
 
     assert _against_range("Parallel sampling", [0.182, 0.357], (16.2, 30.5)) == (
-        "Parallel sampling against 16.2-30.5%: at width 2 inside it and at width 6 above it (35.7%);")
+        "Parallel sampling against 16.2-30.5%: at width 2 inside it and at width 6 above it (35.7%)")
 
 
 # ---- 5, 7. reading it: order, header, summary, stdout -------------------------------------------
@@ -239,7 +241,7 @@ def test_report_names_its_machine_and_leads_with_a_summary_table(quick_out):
     assert "Options:" not in md and "swap_vs_recompute" not in head
     summary = md.split("## Summary", 1)[1].split("\n## ", 1)[0]
     assert "| claim | pagedkv | published | how | gap, and why |" in summary
-    assert {f["how"] for f in payload["findings"]} <= {"measured", "modelled"}
+    assert {f["how"] for f in payload["findings"]} <= {"measured", "modelled", "computed"}
     assert all({"claim", "ours", "published", "gap"} <= set(f) for f in payload["findings"])
     swap = next(s for s in payload["sections"] if s["key"] == "swap_vs_recompute")
     assert swap["setup"].startswith("OPT-13B on an A100-40GB")

@@ -53,7 +53,6 @@ def section_without_msgspec():
 def test_precise_row_without_the_events_extra(section_without_msgspec):
     sec = section_without_msgspec
     assert "precise" in sec.data["routers"]
-    assert sec.data["routers"]["precise"]["hit_rate"] > 0
     assert any("handed over in process" in t for t in sec.text)
 
 

@@ -1,8 +1,9 @@
 """``pagedkv report``: the main job. Measures fork cost, copy-on-write, and memory waste.
 
 With no arguments it runs every section on the built-in workloads and the public traces shipped
-with pagedkv, and prints plain-text tables (about 170 s on two cores, measured); ``--out DIR`` also
-writes report.md, report.json and PNG plots. Progress goes to stderr, the report to stdout.
+with pagedkv, and prints the summary and every section as plain-text tables (about 140 s of CPU,
+measured as README.md says); ``--out DIR`` writes report.md, report.json and PNG plots instead and
+prints only the summary and where they went. Progress goes to stderr.
 """
 from __future__ import annotations
 
@@ -43,14 +44,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"run only these sections, in this order; any of: {', '.join(SECTIONS)}")
     p.add_argument("--seed", type=int, default=0, help="seed of every workload (default 0)")
     p.add_argument("--quick", action="store_true",
-                   help="small workloads: about 30 s on two cores instead of about 170 s; a smoke "
+                   help="small workloads: about 20 s of CPU instead of about 140 s; a smoke "
                         "run whose numbers are noisier")
     p.add_argument("--nanovllm", type=Path, default=None, metavar="PATH",
                    help="a checkout of github.com/GeeeekExplorer/nano-vllm: the nanovllm section runs "
                         "its own scheduler (default: $PAGEDKV_NANOVLLM, an installed nanovllm, else "
                         "an engine written here with its rules)")
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
-                   help="also write report.md, report.json and PNG plots (with matplotlib) here")
+                   help="write report.md, report.json and PNG plots (with matplotlib) here, and print "
+                        "only the summary")
 
 
 def _sections(text: str | None) -> list[str] | None:
@@ -176,11 +178,11 @@ def run(args: argparse.Namespace) -> int:
             emit(text[:-1] if text.endswith("\n") else text)
             raise
         pngs = [p for p in written if p.suffix == ".png"]
-        where = (f"The whole report: {args.out / 'report.md'} (Markdown), {args.out / 'report.json'} "
-                 f"(every number), and {len(pngs)} PNG plots in {args.out}.")
+        where = (f"The whole report: {args.out / 'report.md'} (Markdown) and {args.out / 'report.json'} "
+                 f"(every number)" + (f", with {len(pngs)} PNG plots in {args.out}." if pngs else "."))
+        lines = textwrap.wrap(where, 100, break_long_words=False)
         if not plot_available():
-            where += " No PNG plots: matplotlib is not installed (pip install 'pagedkv[plot]')."
-        text = render_text(sections, summary_only=True, opts=opts)
-        emit(text + "\n" + "\n".join(textwrap.wrap(where, 100, break_long_words=False)))
+            lines.append("No PNG plots: matplotlib is not installed (pip install 'pagedkv[plot]').")
+        emit(render_text(sections, summary_only=True, opts=opts) + "\n" + "\n".join(lines))
     print(f"[pagedkv report] done in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return 0

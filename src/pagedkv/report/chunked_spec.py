@@ -121,7 +121,7 @@ def _timeline_table(rows, bs) -> Table:
     for r in rows:
         t.add(*r.values())
     for note in (
-            "computed: A's num_computed; table: blocks in A's table; published: blocks this step made "
+            "computed: A's tokens in KV; table: blocks in A's table; published: blocks this step made "
             "findable by other requests' prefix lookups (announced as BlockStored, vLLM's KV event for "
             "a block entering the prefix cache); full blocks: computed // block size (= pub. total: "
             "the manager publishes a block once all its positions are scheduled)",

@@ -20,7 +20,7 @@ from .tables import TEXT_WIDTH, Section, plain
 __all__ = ["Finding", "findings", "anchor", "to_markdown", "to_text", "HEADING", "ORDER"]
 
 HEADING = "Summary"
-MEASURED, MODELLED = "measured", "modelled"
+MEASURED, MODELLED, COMPUTED = "measured", "modelled", "computed"
 
 
 @dataclass(frozen=True)
@@ -114,16 +114,18 @@ def _sharing(sec: Section) -> list[Finding]:
         lo, hi = (100 * s[f"{prefix}/{w}"]["saved"] for w in widths)
         return f"{lo:.1f}-{hi:.1f}%"
 
+    above = [w for w in (2, 4, 6) if min(s[f"alpaca/beam/{w}"]["seeds"]) > p[f"beam/{w}"] / 100]
     out = [
         Finding("Blocks saved by sharing, parallel sampling n = 2-6, Alpaca-like (Fig. 15)",
                 span("alpaca/parallel"), f"{p['parallel/2']}-{p['parallel/6']}%", MEASURED,
                 "Samples share only full prompt blocks, and most Alpaca prompts hold zero or one: the "
                 "saving follows a prompt-length shape the paper does not publish."),
         Finding("Blocks saved by sharing, beam search width 2-6, Alpaca-like (Fig. 15)",
-                span("alpaca/beam"), f"{p['beam/2']}-{p['beam/6']}%", f"{MEASURED} on synthetic beams",
+                span("alpaca/beam"), f"{p['beam/2']}-{p['beam/6']}%", MEASURED,
                 "Which beams survive comes from a synthetic beam model (random next-token scores), not "
-                "a language model; its beams converge on one ancestor more often than a real decoder's, "
-                "and the excess at widths 4 and 6 comes from that model, not the allocator."),
+                "a language model; its beams converge on one ancestor more often than a real decoder's"
+                + (f", and the excess at width {' and '.join(map(str, above))} (above the paper on every "
+                   "seed) comes from that model, not the allocator." if above else ".")),
     ]
     rng = sec.data["paper_sharegpt_range"]
     got = {k: s.get(f"sharegpt/{k}", {}).get("serving") for k in ("parallel/2", "parallel/6", "beam/2", "beam/6")}
@@ -134,10 +136,10 @@ def _sharing(sec: Section) -> list[Finding]:
             "Blocks saved, ShareGPT-like serving run, parallel n = 2-6 / beam width 2-6 (section 6.3)",
             f"{par} / {beam}",
             f"{rng['parallel'][0]:g}-{rng['parallel'][1]:g}% / {rng['beam'][0]:g}-{rng['beam'][1]:g}%",
-            f"{MEASURED}; beams synthetic",
+            MEASURED,
             _against_range("Parallel sampling", [got["parallel/2"]["saved"], got["parallel/6"]["saved"]],
                            rng["parallel"])
-            + " " + _against_range("beam search", [got["beam/2"]["saved"], got["beam/6"]["saved"]], rng["beam"])
+            + "; " + _against_range("beam search", [got["beam/2"]["saved"], got["beam/6"]["saved"]], rng["beam"])
             + "; beams that share more than the paper's come from the synthetic beam model, not the "
               "allocator, as on Alpaca."))
     return out
@@ -145,14 +147,14 @@ def _sharing(sec: Section) -> list[Finding]:
 
 def _against_range(what: str, saved: list[float], rng) -> str:
     """Where the saving at widths 2 and 6 falls against a published range, in words:
-    "Parallel sampling at width 2 is inside 16.2-30.5%, at 6 above it (35.7%);"."""
+    "Parallel sampling against 16.2-30.5%: at width 2 inside it and at width 6 above it (35.7%)"."""
     lo, hi = rng
     parts = []
     for width, x in zip((2, 6), saved):
         pct = 100 * x
         where = "inside it" if lo <= pct <= hi else f"{'above' if pct > hi else 'below'} it ({pct:.1f}%)"
         parts.append(f"at width {width} {where}")
-    return f"{what} against {lo:g}-{hi:g}%: {' and '.join(parts)};"
+    return f"{what} against {lo:g}-{hi:g}%: {' and '.join(parts)}"
 
 
 def _swap(sec: Section) -> list[Finding]:
@@ -251,9 +253,9 @@ def _fleet(sec: Section) -> list[Finding]:
 def _hybrid(sec: Section) -> list[Finding]:
     mem = sec.data["memory"]["gpt-oss-20b"]
     short, long_ = min(mem, key=int), max(mem, key=int)
-    out = [Finding(f"KV one gpt-oss-20b request holds, grouped by attention type, against uniform",
+    out = [Finding("KV one gpt-oss-20b request holds, grouped by attention type, against uniform",
                    f"-{_pct(mem[short]['saved'])} at {int(short):,} tokens, -{_pct(mem[long_]['saved'])} "
-                   f"at {int(long_):,}", "-", "computed from the config",
+                   f"at {int(long_):,}", "-", COMPUTED,
                    "A sliding-window layer keeps only the blocks its window reads.")]
     runs = sec.data.get("serving", {}).get("runs")
     if runs:
@@ -270,9 +272,14 @@ def _hybrid(sec: Section) -> list[Finding]:
         out.append(Finding(
             "Prefix hits, grouped cache (hybrid hit rule) minus uniform, one GPU's KV memory (Mooncake)",
             f"{min(rule):+.2f} to {max(rule):+.2f} points", "-", MEASURED,
-            f"{where}. Re-aging released window blocks with their prefix gains {min(order):+.2f} to "
-            f"{max(order):+.2f} points over plain LRU order: it removes what plain LRU order loses (the "
-            f"reuse cliff), but not the grouped cache's own gap to uniform, "
+            f"{where}. "
+            + (f"Re-aging released window blocks with their prefix gains {min(order):+.2f} to "
+               f"{max(order):+.2f} points over plain LRU order: it removes what plain LRU order loses "
+               "(the reuse cliff), "
+               if max(abs(x) for x in order) >= 0.005 else
+               "Re-aging released window blocks with their prefix changes nothing over plain LRU order "
+               "here (no reuse cliff at these budgets); it removes what plain LRU order loses, ")
+            + "but not the grouped cache's own gap to uniform, "
             + ("which is nil at these budgets." if none else
                f"{min(rule):+.2f} to {max(rule):+.2f} points here.")))
     return out
@@ -358,7 +365,8 @@ def to_markdown(items: list[Finding]) -> str:
     lines += ["", *textwrap.wrap(
         "published: the vLLM paper's figure (Kwon et al., SOSP'23) unless another source is named; "
         "measured: counted on the real block manager (in a simulated serving run where requests are "
-        "served); modelled: computed from a cost model whose assumptions the section states.", TEXT_WIDTH)]
+        "served); modelled: from a cost model whose assumptions the section states; computed: "
+        "arithmetic on a model's published config.", TEXT_WIDTH)]
     return "\n".join(lines)
 
 

@@ -63,7 +63,7 @@ INTRO = (
     "Mooncake conversation trace; what the Azure conversation trace can say (load: it has no "
     "content hashes), and the same hits modelled on its lengths under a stated sharing assumption; "
     "and serving under memory pressure with recompute, offload and swap preemption. "
-    "Transfers are priced on a stated link (the simulator's host-tier model): loads and swap-outs make a step "
+    "Transfers are priced on a stated link: loads and swap-outs make a step "
     "wait, offloads overlap its compute.")
 
 KEY, HEADING = "host_offload", "Host tier: prefix hits, time to first token and serving under pressure"
@@ -492,11 +492,11 @@ def _serve_table(opts: ReportOptions, path: Path, cost: CostModel) -> tuple[Tabl
         "the device pool, write-back. Offload: recompute preemption, a readmitted victim loads what "
         "the device offloaded (the trace has no shared content, so nothing else hits). Swap: the "
         "victim's private blocks go to the host and come back before new admissions; a victim "
-        "admitted in the same step is recomputed. Swap only: the same with host_write_policy "
-        "'none' (vLLM v0's swap space): evicted prefixes are forgotten, not offloaded.")
+        "admitted in the same step is recomputed. Swap only: the same with the host tier holding "
+        "swapped sequences alone (vLLM v0's swap space): evicted prefixes are forgotten, not offloaded.")
     t.notes.append(
         "Transfer wait: what steps waited for loads, swap-outs and offloads beyond their compute "
-        f"(the simulator's host-tier model); link {Link().describe()}. Preemptions differ between "
+        f"(the simulator's transfer model); link {Link().describe()}. Preemptions differ between "
         "modes because transfer time changes when requests arrive relative to memory use. Times "
         "are modelled (the cost model's step times), not measured.")
     return t, data

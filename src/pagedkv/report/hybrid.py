@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..sim import page_layout as pl
-from ..sim.sizing import GIB, attention_groups, estimate_weight_bytes, get_model, kv_budget_bytes, request_kv_bytes
+from ..sim.sizing import GIB, attention_groups, get_model, request_kv_bytes
 from ..sim.traces import trace_lengths, trace_not_found, trace_path
 from .tables import Section, Table
 from .options import ReportOptions

@@ -24,7 +24,7 @@ __all__ = ["hit_cost_tables", "HIT_MODELS"]
 # the model's weights (gpt-oss-20b: 59.2 GiB of KV; Gemma 3 27B: 19.1 GiB).
 HIT_MODELS = (("gpt-oss-20b", ("H100",)), ("Gemma-3-27B", ("H100",)))
 QUICK_HIT_MODELS = (("gpt-oss-20b", ("H100",)),)
-HIT_REQUESTS, QUICK_HIT_REQUESTS = 300, 120
+HIT_REQUESTS, QUICK_HIT_REQUESTS = 300, 60
 ORDERS = ("with_prefix", "on_release")
 ORDER_NAMES = {"with_prefix": "window blocks re-aged with their prefix",
                "on_release": "window blocks in plain LRU order"}
@@ -86,8 +86,9 @@ def _budget_note() -> str:
              for model, gpus in HIT_MODELS for gpu in gpus]
     gpus = sorted({g for _, gs in HIT_MODELS for g in gs})
     return (f"KV GiB: one GPU's memory ({', '.join(f'{g} {GPUS[g]:g} GiB' for g in gpus)}) x {UTIL} "
-            f"utilisation, less the model's weights ({'; '.join(parts)}); share: of the bytes a uniform "
-            "cache needs to keep every request's prompt and output (nothing evicted).")
+            f"utilisation, less the model's weights ({'; '.join(parts)}), or what a cache that never evicts "
+            "needs if that is less; share: of the bytes a uniform cache needs to keep every request's "
+            "prompt and output (nothing evicted).")
 
 
 def _points(rows: list[dict], a: str, b: str) -> str:
@@ -111,5 +112,5 @@ NOTES = [
         "plain LRU: they stay where they were released, the first evicted, and a prefix whose "
         "full-attention blocks survive can hit nothing past its last whole window (the reuse cliff)",
         "at most 16 sequences resident, finished in arrival order (early when blocks run out); each "
-        "output appended before its sequence finishes; hits counted by the manager's usage()",
+        "output appended before its sequence finishes; hits counted by the manager itself",
 ]

@@ -3,9 +3,9 @@
 Paging lets the sequences of one request share blocks: the n samples of parallel sampling share
 the prompt (forked once after prefill; the partial last prompt block is copied on the first
 write), and the beams of beam search share every block of their common ancestry, which grows as
-losing beams are freed and winners forked. The saving is ``blocks_saved_by_sharing`` over the
-blocks the sequences would hold without sharing (``sum ceil(len / bs)``), both from the real
-manager's ``usage()``, time-weighted over decode steps. Prefix caching is off, so only forks
+losing beams are freed and winners forked. The saving is the blocks sharing saves over the
+blocks the sequences would hold without sharing (``sum ceil(len / bs)``), both counted by the
+real manager, time-weighted over decode steps. Prefix caching is off, so only forks
 share. Which beams survive comes from a synthetic beam model (seeded random next-token scores,
 the top ``width`` of ``width x width`` candidates kept), not a language model: the beam numbers
 depend on it. Each saving is the mean over three seeds (the
@@ -92,12 +92,19 @@ def _measure(wl: str, label: str, widths, opts: ReportOptions, spread, serving: 
     for mode in ("parallel", "beam"):
         n = (QUICK_SIZES if opts.quick else SIZES)[(wl, mode)]
         for k in widths:
-            opts.note(f"sharing, {label} {MODES[mode]}={k}")
+            what = f"sharing, {label} {MODES[mode]}={k}"
+            opts.note(what)
             res, m = _saving(wl, n, opts.seed, mode, k, bs)
-            band = [100 * _saving(wl, n, opts.seed, mode, k, bs, sd)[1].sharing_saving
-                    for sd in (spread or ())]
-            seeds = [100 * m.sharing_saving] + [100 * _saving(wl, n, opts.seed + i, mode, k, bs)[1].sharing_saving
-                                                for i in range(1, SEEDS)]
+            band = []
+            for sd in spread or ():
+                opts.note(f"{what}, length spread {sd:.2f}")
+                band.append(100 * _saving(wl, n, opts.seed, mode, k, bs, sd)[1].sharing_saving)
+            seeds = [100 * m.sharing_saving]
+            for i in range(1, SEEDS):
+                opts.note(f"{what}, seed {opts.seed + i}")
+                seeds.append(100 * _saving(wl, n, opts.seed + i, mode, k, bs)[1].sharing_saving)
+            if serving:
+                opts.note(f"{what}, served")
             rows.append(_Row(label, mode, k, sum(seeds) / len(seeds), n, res.copies / max(res.finished, 1),
                              m.preemptions, band, seeds, _serving(wl, mode, k, m, opts) if serving else None))
     return rows
@@ -224,8 +231,8 @@ def section(opts: ReportOptions) -> Section:
                       y=["saved %", "serving run saved %"],
                       legend={"saved %": "saved, requests at t = 0",
                               "serving run saved %": "saved, serving run (Poisson arrivals)"},
-                      title="Section 6.3 on ShareGPT-like lengths: % of blocks saved by sharing at widths 2 "
-                            "and 6, at t = 0 and in a serving run, against the paper's range")
+                      title="ShareGPT-like lengths (vLLM section 6.3): % of blocks saved at widths 2 and 6, "
+                            "at t = 0 and served")
     from ..sim.workloads import LOGNORMAL_SPECS
 
     assumed = ", ".join(f"{label} {LOGNORMAL_SPECS[wl].output_sigma:g}" for wl, label in
