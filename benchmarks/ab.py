@@ -25,7 +25,9 @@ one 512-token ``prefill`` chunk (the next chunk of an 8,192-token prompt admitte
 ``lookup`` of 1,000-token prompts whose 62 full blocks are cached (distinct prompts, so no lookup
 finds its hashes remembered), the rows ``pagedkv bench`` sets v2 targets for. Last, twelve
 replays of a 300-request trace of the bench's shape on each tree, alternating: per admission and
-per decoded token (a decode step's time over its batch size).
+per decoded token (a decode step's time over its batch size). When both trees take attention
+groups, also a decode step and a 1,000-token admission on ``[FullAttention(), SlidingWindow(128)]``
+(gpt-oss's pattern), the same sequences and prompts.
 """
 from __future__ import annotations
 
@@ -193,6 +195,39 @@ def time_fork_free(m, res: dict, clock) -> None:
     m.take_events()
 
 
+GROUP_ROWS = ("append_batch, 256 seqs, [Full, Sliding(128)]", "admission, 1,000 tokens, [Full, Sliding(128)]")
+
+
+def has_groups(pkg) -> bool:
+    return hasattr(pkg, "SlidingWindow")
+
+
+def build_groups(pkg, wl: dict, rounds: int, kw: dict):
+    """The same 256 sequences on a two-group manager (gpt-oss's pattern), for the hybrid rows."""
+    need = int(sum(-(-(int(n) + rounds + 20) // BLOCK_SIZE) for n in wl["lens"]))
+    groups = [pkg.FullAttention(), pkg.SlidingWindow(128)]
+    m = pkg.KVCacheManager(num_blocks=2 * need + 4096, block_size=BLOCK_SIZE, groups=groups, **kw)
+    ids = [f"s{i}" for i in range(256)]
+    for sid, prompt in zip(ids, wl["prompts"]):
+        m.add_sequence(sid, prompt)
+    m.take_events()
+    return m, ids
+
+
+def time_groups(state, wl: dict, i: int, res: dict, clock) -> None:
+    m, ids = state
+    t0 = clock()
+    m.append_batch(ids, wl["steps"][i])
+    res[GROUP_ROWS[0]].append(clock() - t0)
+    m.take_events()
+    if i % 10 == 0:
+        t0 = clock()
+        m.add_sequence("adm", wl["admissions"][i // 10])
+        res[GROUP_ROWS[1]].append(clock() - t0)
+        m.free("adm", cache=False)
+        m.take_events()
+
+
 def build(pkg, wl: dict, rounds: int, kw: dict):
     need = int(sum(-(-(int(n) + rounds + 20) // BLOCK_SIZE) for n in wl["lens"]))
     m = pkg.KVCacheManager(num_blocks=need + 4096, block_size=BLOCK_SIZE, **kw)
@@ -210,9 +245,11 @@ def run(pkgs: dict, wl: dict, rounds: int, kw: dict) -> dict:
     state = {name: build(pkg, wl, rounds, kw) for name, pkg in pkgs.items()}
     v2 = kw.get("enable_prefix_caching", True) and all(map(has_v2, pkgs.values()))
     v2_state = {name: build_v2(pkg, wl, kw) for name, pkg in pkgs.items()} if v2 else {}
+    grouped = all(map(has_groups, pkgs.values()))
+    g_state = {name: build_groups(pkg, wl, rounds, kw) for name, pkg in pkgs.items()} if grouped else {}
     rows = ("append_batch, 256 seqs", "append_token, room in block", "admission, 1,000 tokens, no hit")
     rows += V2_ROWS if v2 else ()
-    rows += FORK_ROWS + REPLAY_ROWS
+    rows += FORK_ROWS + (GROUP_ROWS if grouped else ()) + REPLAY_ROWS
     out = {name: {r: [] for r in rows} for name in pkgs}
     clock = time.perf_counter_ns
     names = list(pkgs)
@@ -241,6 +278,8 @@ def run(pkgs: dict, wl: dict, rounds: int, kw: dict) -> dict:
                     time_fork_free(m, res, clock)
                 if v2:
                     time_v2(v2_state[name], wl, i, res, clock)
+                if grouped:
+                    time_groups(g_state[name], wl, i, res, clock)
             if i % 200 == 199:
                 gc.enable()
                 gc.collect()

@@ -23,7 +23,7 @@ from .hashing import MAX_TOKEN_ID, le_bytes  # noqa: F401 (re-exported)
 from .host_tier import WRITE_POLICIES
 from .pool import MAX_BLOCKS
 
-__all__ = ["token_array", "batch_arguments", "batch_seqs", "id_sequence", "le_bytes", "known", "as_token",
+__all__ = ["token_array", "count_within", "batch_arguments", "batch_seqs", "id_sequence", "le_bytes", "known", "as_token",
            "manager_args", "MAX_BLOCK_SIZE", "WINDOW_EVICTIONS"]
 
 _BIG_ENDIAN = sys.byteorder == "big"
@@ -110,6 +110,16 @@ def batch_seqs(seqs: dict, seq_ids: Sequence) -> tuple:
     return ss
 
 
+
+
+def count_within(name: str, value: Any, limit: int, why: str) -> int:
+    """A count in ``[0, limit]``: ``int_at_least``'s message below 0, ``why`` (formatted with
+    ``v`` and ``limit``) above the limit. Example: ``count_within("k", 3, 2, "accept({v}) but
+    {limit} drafts are pending")`` raises ``ValueError: accept(3) but 2 drafts are pending``."""
+    value = int_at_least(name, value, 0)
+    if value > limit:
+        raise ValueError(why.format(v=value, limit=limit))
+    return value
 
 
 def known(seqs: dict, seq_id: Any) -> bool:

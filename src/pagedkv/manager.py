@@ -30,7 +30,7 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from .arguments import (as_token, batch_arguments, batch_seqs, known, le_bytes,
+from .arguments import (as_token, batch_arguments, batch_seqs, count_within, known, le_bytes,
                         manager_args, token_array)
 from .checks import as_int, flag, int_at_least
 from .coordinator import UnitaryCoordinator
@@ -138,13 +138,14 @@ class KVCacheManager:
         coord = self._coord
         self._slot_slow = coord.slot_slow
         self._publish_filled = coord.publish_filled
+        self._arm = coord.arm
         self._releases = coord.releases
         if self._busy is not None:
             self.append_token = self._append_token_marking
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        for bound in ("_slot_slow", "_publish_filled", "append_token"):
+        for bound in ("_slot_slow", "_publish_filled", "_arm", "append_token"):
             state.pop(bound, None)
         return state
 
@@ -348,8 +349,11 @@ class KVCacheManager:
             raise ValueError("the prompt must have at least one token")
         if prefill is not None:
             prefill = int_at_least("prefill", prefill, 0)
-        keys = self._extra_keys(n, cache_salt, lora_name, mm_features)
-        reserve = flag("reserve", reserve)
+        keys = None
+        if cache_salt is not None or lora_name is not None or mm_features is not None:
+            keys = ExtraKeys.make(self._bs, n, lora_name, mm_features, cache_salt)
+        if reserve is not False and reserve is not True:
+            flag("reserve", reserve)
         hashes: list = []
         if self._cache is not None:
             hashes = self._hash_memo.chained(self._hasher, self._root, keys, le_bytes(tokens), self._bs, False)
@@ -366,10 +370,8 @@ class KVCacheManager:
         group 0's). Releases due are made first (they may serve the chunk); atomic; ``n`` may
         not exceed the unscheduled rest; ``n = 0`` returns an empty array."""
         s = self._seq(seq_id)
-        n = int_at_least("n", n, 0)
         rest = s.unscheduled
-        if n > rest:
-            raise ValueError(f"prefill of {n} positions, but {rest} of the prompt are unscheduled")
+        n = count_within("n", n, rest, "prefill of {v} positions, but {limit} of the prompt are unscheduled")
         if not n:
             return np.empty(0, dtype=np.int64)
         start = len(s.tokens) - rest
@@ -429,6 +431,8 @@ class KVCacheManager:
         toks = token_array(token_ids)
         if s.unscheduled or (s.drafts and not speculative) or s.host is not None:
             raise ValueError(s.why_not_ready(seq_id, "append to"))
+        if speculative and self._releases:
+            self._coord.draft_check()
         k = len(toks)
         if not k:
             return []
@@ -465,7 +469,7 @@ class KVCacheManager:
         if speculative:
             s.nxt = -1  # drafts pending: the next append goes through the checks
         else:
-            self._coord.arm(s)
+            self._arm(s)
         return out
 
     def accept(self, seq_id: Hashable, k: int) -> None:
@@ -474,10 +478,8 @@ class KVCacheManager:
         first. Example (block size 4, 6 tokens + 5 drafts in [a, b, c]): ``accept(id, 1)``
         keeps 7 tokens in [a, b]; c goes back clean."""
         s = self._seq(seq_id)
-        k = int_at_least("k", k, 0)
         d = s.drafts
-        if k > d:
-            raise ValueError(f"accept({k}) but {d} drafts are pending")
+        k = count_within("k", k, d, "accept({v}) but {limit} drafts are pending")
         if not d:
             return
         bs = self._bs
@@ -494,7 +496,7 @@ class KVCacheManager:
                 data = le_bytes(s.tokens[first * bs : nfull * bs])
                 s.hashes += self._hasher.chain_keyed(parent, data, 4 * bs, first, nfull - first, s.keys)
                 self._coord.publish_run(s, first, nfull)
-        self._coord.arm(s)
+        self._arm(s)
 
     def append_batch(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int]) -> np.ndarray:
         """One decode step: append ``token_ids[i]`` to ``seq_ids[i]`` for every i, atomically;
@@ -512,8 +514,11 @@ class KVCacheManager:
             for sid, s in zip(seq_ids, ss):
                 if s.unscheduled or s.drafts or s.host is not None:
                     raise ValueError(s.why_not_ready(sid, "append to"))
-        if self._releases or self._pool.num_free < len(self._specs) * n or self._cq.sources:
-            self._coord.step_room(ss, "a decode step")  # (only then can the batch fail)
+        pool, k = self._pool, len(self._specs) * n
+        # the batch can fail only when the free blocks may not cover it; releases go first when
+        # an allocation might otherwise evict a cached block they would have spared
+        if pool.num_free < k or self._cq.sources or (self._releases and pool.num_clean < k):
+            self._coord.step_room(ss, "a decode step")
         if self._busy is not None:
             self._busy.update(ss)
         bs = self._bs
@@ -544,7 +549,7 @@ class KVCacheManager:
         The list is safe for one batched kernel: no block is a destination twice, and no
         destination is the source of another copy in the list.
         """
-        return self._cq.take()
+        return self._coord.take_copies()
 
     def take_transfers(self) -> list[Transfer]:
         """Drain the block transfers between the device and the host tier (offloads, host hits,
@@ -620,7 +625,8 @@ class KVCacheManager:
         Example (block size 4): a 17-token prompt whose first 8 tokens hit, dropped unrun ->
         blocks 0 and 1 stay findable, 2 and 3 are unpublished. Either way a block it alone holds
         whose host load is still pending loses the load and its device hash."""
-        cache = flag("cache", cache)
+        if cache is not True and cache is not False:
+            flag("cache", cache)
         s = self._seq(seq_id)
         del self._seqs[seq_id]
         if self._busy:
@@ -679,6 +685,15 @@ class KVCacheManager:
         g = self._group(group)
         ntok = np.fromiter((s.computed for s in ss), dtype=np.int32, count=len(ss))
         return flashinfer_rows(self._coord.rows(ss, g, bool(self._unready), live=True), ntok, self._bs)
+
+    def state_indices(self, seq_ids: Sequence[Hashable], group: int) -> tuple[np.ndarray, np.ndarray]:
+        """For a recurrent-state group: ``(read, write)``, two ``np.int32`` arrays of block ids,
+        the state each sequence's last scheduling call reads (-1: a zero state) and the block it
+        writes the state after its last position into ((-1, -1) when that call scheduled
+        nothing). ValueError for a group that is not a state group."""
+        ss = self._on_device(seq_ids)
+        read, write = self._coord.state_indices(ss, self._group(group))
+        return np.array(read, dtype=np.int32), np.array(write, dtype=np.int32)
 
     # ---- accounting --------------------------------------------------------------------------
 

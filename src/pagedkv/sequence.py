@@ -35,7 +35,7 @@ class Seq:
     """
 
     __slots__ = ("table", "tables", "low", "tokens", "hashes", "keys", "mirror", "nxt", "end",
-                 "unscheduled", "drafts", "host", "written", "shared")
+                 "unscheduled", "drafts", "host", "written", "shared", "state_io")
 
     def __init__(self, tables: list, low: list, tokens: array, hashes: list, keys: ExtraKeys | None,
                  unscheduled: int = 0, written: int = 0, mirror: np.ndarray | None = None) -> None:
@@ -46,13 +46,14 @@ class Seq:
         self.hashes = hashes
         self.keys = keys
         self.mirror = mirror
-        self.nxt = -1
-        self.end = -1
+        self.nxt = -1  # (``end`` is set with every fast-path slot)
         self.unscheduled = unscheduled
         self.drafts = 0
         self.host: list[dict[int, int]] | None = None
         self.written = written
         self.shared = False
+        # ``state_io``, for recurrent-state groups only: (group -> (read, write) blocks of the
+        # last slow scheduling call, the computed count after it), set by that call
 
     @property
     def unready(self) -> bool:
