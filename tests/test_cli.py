@@ -251,12 +251,14 @@ def test_a_trace_of_the_wrong_kind_is_named_in_its_section(tmp_path, monkeypatch
 def test_simulate_replays_a_shipped_trace(capsys):
     argv = ["simulate", "mooncake-trace", "--num-requests", "20", "--allocator", "paged", "--kv-gib", "40",
             "--rate", "0", "--model", "Llama-3.1-8B"]  # 40 GiB hold 327,680 of its tokens
-    rc, out, _ = run(argv + ["--max-len", "131072"], capsys)
-    assert rc == 0 and "mooncake-trace (real trace: mooncake_conversation_trace.jsonl.gz): 20 requests" in out
-    # Under the default 2,048-token context most Mooncake prompts do not fit: counted, never cut.
+    # The default context limit is the model's own (131,072 tokens): every request is served.
     rc, out, _ = run(argv, capsys)
-    assert rc == 0 and "): 2 requests" in " ".join(out.split())
-    assert "of 20 trace requests, 18 have a prompt of --max-len 2,048 tokens or more and are left out" in out
+    assert rc == 0 and "mooncake-trace (real trace: mooncake_conversation_trace.jsonl.gz): 20 requests" in out
+    # Under a 2,048-token context most Mooncake prompts do not fit: counted, never cut.
+    rc, out, _ = run(argv + ["--max-len", "2048"], capsys)
+    text = " ".join(out.split())
+    assert rc == 0 and "): 2 requests served, 18 left out" in text
+    assert "Left out: 18 of 20 requests, whose prompt is 2,048 tokens or longer" in text
 
 
 def test_simulate_gzipped_trace_file(capsys, tmp_path):

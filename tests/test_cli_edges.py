@@ -226,12 +226,12 @@ def test_report_out_write_failure_leaves_nothing_half_written(capsys, monkeypatc
 
 def test_report_out_writes_every_file_and_no_staging_left(capsys, tmp_path):
     out = tmp_path / "out"
-    rc, _, err = run(["report", "--quick", "--sections", "cow_case", "--out", str(out)], capsys)
+    rc, stdout, err = run(["report", "--quick", "--sections", "cow_case", "--out", str(out)], capsys)
     assert rc == 0, err
     names = sorted(p.name for p in out.iterdir())
     assert {"report.md", "report.json"} <= set(names) and not [n for n in names if n.startswith(".")]
     assert json.loads((out / "report.json").read_text())["sections"]
-    assert f"wrote {out / 'report.md'}" in err
+    assert f"The whole report: {out / 'report.md'} (Markdown)" in " ".join(stdout.split())
 
 
 # ---- accepted silently before ----------------------------------------------------------------------

@@ -345,7 +345,7 @@ def test_section_is_registered_and_answers_the_question(quick_section):
 
     sec = quick_section
     assert SECTIONS["fleet"] == "fleet" and sec.key == "fleet"
-    assert len(sec.tables) == 4
+    assert len(sec.tables) == 3
     vnodes = sec.data["vnodes"]
     assert [r["k"] for r in vnodes] == [1, 10, 100, 1000]
     for r in vnodes:
@@ -365,42 +365,9 @@ def test_section_runs_the_routers_on_the_same_slice(quick_section):
     assert eps["unbounded"]["overflow"] == 0
 
 
-def test_section_text_fits_100_columns_and_labels_published_figures(quick_section):
+def test_section_text_fits_100_columns(quick_section):
     text = quick_section.to_text()
     assert all(len(line) <= 100 for line in text.splitlines())
-    published = quick_section.tables[3]
-    assert published.columns[4] == "theirs"
-    assert [r[0] for r in published.rows] == ["llm-d", "SGLang router", "SGLang router, vs its own baseline",
-                                              "Preble", "Preble, vs its own baseline"]
-
-
-def test_published_figures_sit_next_to_precise_vs_ring_and_round_robin_only_where_theirs_is():
-    """Issue 11 asks for the precise router against the ring: every source's row says so; a second
-    row against round-robin exists exactly for the sources whose own baseline is round-robin."""
-    from pagedkv.report.fleet import PUBLISHED, _published_table
-    from pagedkv.report.tables import Section
-
-    rows = {name: {"hit_rate": hit, "ttft_p90_s": p90, "latency_mean_s": mean, "latency_p99_s": p99}
-            for name, hit, p90, mean, p99 in [("precise", 0.2, 0.4, 2.0, 9.0), ("ring", 0.25, 0.8, 3.0, 18.0),
-                                               ("round-robin", 0.05, 0.5, 2.5, 12.0)]}
-    sec = Section("fleet", "t")
-    table = _published_table(rows, sec)
-    compared = sec.data["published_comparison"]
-    assert [c["against"] for c in compared] == ["ring", "ring", "round-robin", "ring", "round-robin"]
-    by_who = {c["who"]: c for c in compared}
-    assert by_who["llm-d"]["ours"] == "precise vs ring: TTFT p90 400 ms vs 800 ms (ring / precise = 2.00)"
-    assert by_who["SGLang router"]["ours"] == "precise vs ring: hit 20.0% vs 25.0% (0.80x)"
-    assert by_who["SGLang router, vs its own baseline"]["ours"] == "precise vs round-robin: hit 20.0% vs 5.0% (4.00x)"
-    assert by_who["Preble"]["ours"] == ("precise vs ring: latency mean 2.00 s vs 3.00 s (ring / precise = 1.50), "
-                                        "p99 9.00 s vs 18.00 s (2.00)")
-    assert [r[-1] for r in table.rows] == [c["ours"] for c in compared]
-    for pub in PUBLISHED:
-        assert (f"{pub['who']}, vs its own baseline" in by_who) == (pub["baseline"] == "round-robin")
-        assert "round-robin" in pub["comparison"] or pub["baseline"] != "round-robin"
-    del rows["precise"]
-    without = Section("fleet", "t")
-    _published_table(rows, without)
-    assert {c["ours"] for c in without.data["published_comparison"]} == {"n/a (no precise run)"}
 
 
 def test_section_says_how_many_requests_it_replays(quick_section):

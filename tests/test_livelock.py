@@ -424,7 +424,12 @@ def test_simulate_command_takes_the_guards(capsys):
     assert main(["simulate", "sharegpt", "--num-requests", "20", "--kv-gib", "0.01", "--allocator", "paged",
                  "--model", "Llama-3.1-8B"]) == 2
     err = capsys.readouterr().err
-    assert "needs" in err and "holds 80 slots (5 blocks): it could never run" in err and "Traceback" not in err
+    # 0.01 GiB holds 80 tokens: the default context limit, too short for ShareGPT's lengths
+    assert "do not fit a context limit of 80 tokens (what the KV cache holds" in err and "Traceback" not in err
+    assert main(["simulate", "sharegpt", "--num-requests", "20", "--kv-gib", "0.01", "--allocator", "paged",
+                 "--model", "Llama-3.1-8B", "--max-len", "2048"]) == 2
+    err = capsys.readouterr().err
+    assert "needs 1,891 tokens, 119 blocks of 16, but the KV cache of paged holds 5 blocks: it could never run" in err
 
 
 # ---- the report section ----------------------------------------------------------------------
@@ -460,5 +465,5 @@ def test_section_shows_each_guard_matters(quick_section):
     counts = [thrash[k]["preemptions"] for k in ("vLLM v1 (no watermark)", "watermark 2%", "watermark 5%")]
     assert counts[0] > counts[1] > counts[2]
     table = quick_section.tables[1]
-    futile = dict(zip(table.column("guard"), table.column("futile")))
-    assert futile["skip unfreeing off"] > 0 and futile["skip unfreeing on"] == 0
+    futile = dict(zip(table.column("guard"), table.column("victims freeing nothing")))
+    assert futile["skip victims freeing nothing off"] > 0 and futile["skip victims freeing nothing on"] == 0

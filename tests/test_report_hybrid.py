@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from pagedkv.report import SECTIONS
-from pagedkv.report import hybrid
+from pagedkv.report import hybrid, hybrid_hits
 from pagedkv.report.options import ReportOptions
 
 # Issue 19's table: what a uniform allocator holds beyond what the model can attend to (bf16,
@@ -78,17 +78,18 @@ def test_the_grouped_runs_add_the_serving_and_hit_cost_tables(quick_section):
     assert sum("hybrid rule against full attention" in title for title in titles) == 1
 
 
-def test_hit_cost_rows_are_measured_and_ordered(quick_section):
-    """The quick hit-cost run (gpt-oss-20b, one budget): each figure is a share, and the order
-    that ages window blocks with their prefix never does worse than plain LRU here."""
+def test_hit_cost_rows_are_measured_at_one_gpus_memory(quick_section):
+    """The quick hit-cost run (gpt-oss-20b at an H100's KV memory): each figure is a share, and
+    the grouped cache holds twice the blocks of half the size."""
     data = quick_section.data["hit_cost"]
-    assert data["requests"] == 120 and len(data["rows"]) == 1
+    assert data["requests"] == hybrid_hits.QUICK_HIT_REQUESTS and len(data["rows"]) == 1
     row = data["rows"][0]
+    assert row["gpu"] == "H100"
     assert row["grouped_blocks"] in (2 * row["uniform_blocks"], 2 * row["uniform_blocks"] + 1)  # half pages
     for key in ("uniform", "with_prefix", "on_release"):
         assert 0 <= row[key] < 1
     assert row["with_prefix"] >= row["on_release"]
-    assert any(text.startswith("gpt-oss-20b (budgets 1/4") for text in quick_section.text)
+    assert any(text.startswith("gpt-oss-20b at the KV memory of an H100") for text in quick_section.text)
 
 
 def test_section_refuses_bad_options():
@@ -97,19 +98,17 @@ def test_section_refuses_bad_options():
 
 
 def test_findings_name_the_savings_the_gain_and_the_cliff():
-    """The report's opening reads the section's data: memory saved at the shortest and longest
-    context, the grouped serving run's gain, and the cliff where plain LRU order loses hits."""
+    """The report's summary reads the section's data: memory saved at the shortest and longest
+    context, the grouped serving run's gain, and what the hit rule costs."""
     from pagedkv.report.findings import findings
     from pagedkv.report.tables import Section
 
     data = {"memory": {"gpt-oss-20b": {"4096": {"saved": 0.484}, "131072": {"saved": 0.5}}},
             "serving": {"runs": {"8": {"paged uniform": {"mean_running": 2.0}, "paged grouped": {"mean_running": 3.0}}}},
-            "hit_cost": {"rows": [{"model": "gpt-oss-20b", "fraction": 0.25, "with_prefix": 0.0652,
+            "hit_cost": {"rows": [{"model": "gpt-oss-20b", "gpu": "H100", "uniform": 0.0652, "with_prefix": 0.0652,
                                    "on_release": 0.0594}]}}
     sec = Section("hybrid", "Hybrid models", data=data)
-    texts = [f.text for f in findings([sec])]
-    assert texts[0].startswith("Keeping each gpt-oss-20b layer group's K/V only as far back as it attends "
-                               "saves 48.4% of a request's KV at 4,096 tokens and 50.0% at 131,072")
-    assert "grouped runs 1.50x to 1.50x the requests at once" in texts[0]
-    assert texts[1].startswith("The hybrid hit rule's reuse cliff: on gpt-oss-20b at 1/4")
-    assert "hits 0.58 points less" in texts[1]
+    found = findings([sec])
+    assert found[0].ours == "-48.4% at 4,096 tokens, -50.0% at 131,072"
+    assert found[1].ours == "1.50x-1.50x"
+    assert "gains +0.58 to +0.58 points" in found[2].gap

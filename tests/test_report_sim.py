@@ -168,15 +168,15 @@ def test_sharing_savings_grow_with_width(mode):
 @pytest.mark.parametrize("k", [2, 4, 6])
 def test_fig15_parallel_sampling_within_our_length_band(k):
     lo_sd, hi_sd = log_sd_range()
-    n = sharing.SIZES["alpaca"]  # as the report runs it
+    n = sharing.SIZES[("alpaca", "parallel")]  # as the report runs it
     runs = [100 * sharing._saving("alpaca", n, 0, "parallel", k, 16, sd)[1].sharing_saving
             for sd in (None, lo_sd, hi_sd)]
     paper = sharing.PAPER_SAVING[("parallel", k)]
     assert min(runs) - 1 <= paper <= max(runs) + 1, (k, runs, paper)
 
 
-def test_fig15_beam_width_2_over_five_seeds():
-    n = sharing.SIZES["alpaca"]
+def test_fig15_beam_width_2_over_the_seeds():
+    n = sharing.SIZES[("alpaca", "beam")]
     seeds = [100 * sharing._saving("alpaca", n, s, "beam", 2, 16)[1].sharing_saving for s in range(sharing.SEEDS)]
     assert abs(sum(seeds) / len(seeds) - sharing.PAPER_SAVING[("beam", 2)]) <= 2, seeds
     assert max(seeds) - min(seeds) > 0  # the seed matters: hence the report's min-max
@@ -278,12 +278,10 @@ def test_sharing_section_quick():
     for t in (fig15, share):
         for row in t.rows:
             r = dict(zip(t.columns, row))
-            assert r["band lo %"] <= r["saved %"] <= r["band hi %"], row
-            # mean and min-max over SEEDS seeds, the first being saved %
-            assert r["seeds min %"] <= r["seeds mean %"] <= r["seeds max %"], row
-            assert r["seeds min %"] <= r["saved %"] <= r["seeds max %"], row
+            assert r["low %"] < r["saved %"] < r["high %"], row
     for key, v in sec.data["saving"].items():
-        assert len(v["seeds"]) == sharing.SEEDS >= 5 and v["seeds"][0] == v["saved"], key
+        assert len(v["seeds"]) == sharing.SEEDS >= 3, key
+        assert v["saved"] == pytest.approx(sum(v["seeds"]) / len(v["seeds"])), key
     saved = dict(zip(fig15.column("run"), fig15.column("saved %")))
     for k in (2, 4, 6):  # beams share more than samples
         assert saved[f"Alpaca beam={k}"] > saved[f"Alpaca n={k}"]
@@ -339,7 +337,8 @@ def test_simulate_names_a_real_trace(capsys):
     assert simulate.run(args) == 0
     out = capsys.readouterr().out
     assert "(real trace: azure_llm_2023_conv.csv" in out
-    assert "have a prompt of --max-len 2,048 tokens or more and are left out" in out
+    assert ("requests, whose prompt is 2,048 tokens or longer: the context limit (OPT-13B's context)"
+            in " ".join(out.split()))
 
 
 def test_fig2_leaves_out_a_trace_nothing_of_which_fits(tmp_path):

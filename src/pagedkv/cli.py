@@ -1,6 +1,7 @@
 """The ``pagedkv`` command: ``report | simulate | size | bench | fleet``.
 
-Each subcommand lives in :mod:`pagedkv.commands` as ``add_arguments(parser)`` and ``run(args)``;
+Each subcommand lives in :mod:`pagedkv.commands` as ``add_arguments(parser)`` and ``run(args)``
+(and ``describe()`` where its help text carries computed numbers; else its docstring is the help);
 this module only wires them to argparse. Every usage error, argparse's own included, is one line
 on stderr and exit status 2; a result that cannot be written (a full disk, an I/O error, stdout
 on ``/dev/full``) is one line and exit status 1; Ctrl-C is one line and exit status 130 (128 +
@@ -47,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         module = importlib.import_module(f"pagedkv.commands.{name}")
-        p = sub.add_parser(name, help=help_text, description=plain(module.__doc__ or help_text).strip(),
+        text = module.describe() if hasattr(module, "describe") else module.__doc__ or help_text
+        p = sub.add_parser(name, help=help_text, description=plain(text).strip(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)

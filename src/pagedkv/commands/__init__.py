@@ -37,6 +37,10 @@ __all__ = [
     "check_out_file",
     "check_data_dir",
     "check_model",
+    "context_limit",
+    "attention_name",
+    "progress_bar",
+    "check_requests_fit",
     "kv_memory",
     "grouped_kv_memory",
     "MAX_BLOCKS",
@@ -48,6 +52,9 @@ __all__ = [
     "WRITE_FAILED_EXIT",
 ]
 
+# A command shows progress on a terminal's stderr unasked only once it has run this long: a
+# shorter run prints nothing more than its result.
+AUTO_PROGRESS_DELAY_S = 5.0
 USAGE_EXIT = 2  # argparse's exit status for a usage error; every subcommand uses it
 WRITE_FAILED_EXIT = 1  # the work ran, its output could not be written (disk full, I/O error)
 # What one simulated replica can hold in memory and time on a laptop: the manager keeps about 8
@@ -249,9 +256,9 @@ def check_model(flag: str, name: str, *, grouped: bool = False):
     """The built-in model ``name`` (a ``ModelSpec``), or a :class:`UsageError` naming ``flag``.
 
     A hybrid model (sliding-window or chunked layers) is refused unless the command serves it
-    grouped (``grouped=True``: ``simulate``, whose paged allocator keeps a table per attention
-    group); a command that would size every layer for the whole context would overstate its KV
-    by half or more (``pagedkv size``)."""
+    grouped (``grouped=True``: ``simulate`` and ``fleet``, whose paged managers keep a table per
+    attention group); a command that would size every layer for the whole context (``report``)
+    would overstate its KV by half or more (``pagedkv size``)."""
     from ..sim.sizing import builtin_models, get_model
 
     try:
@@ -260,10 +267,78 @@ def check_model(flag: str, name: str, *, grouped: bool = False):
         raise UsageError(f"{flag} {name!r} is not a built-in model; choose from "
                          f"{', '.join(builtin_models())} (pagedkv size --list)") from None
     if spec.is_hybrid and not grouped:
-        raise UsageError(f"{flag} {spec.name} is a hybrid model (sliding-window or chunked layers), which "
-                         f"this command would size as uniform; pagedkv simulate --model {spec.name} serves it "
-                         f"grouped, pagedkv size {spec.name} shows its grouped KV")
+        raise UsageError(f"{flag} {spec.name} is a hybrid model (sliding-window or chunked layers), which this "
+                         "command would size as if every layer kept the whole context; pagedkv simulate and "
+                         f"pagedkv fleet serve it by attention group (--model {spec.name}), pagedkv size "
+                         f"{spec.name} shows its grouped KV")
     return spec
+
+
+def context_limit(args, spec, capacity: int | None, hi: int) -> tuple[int | None, str]:
+    """``(context limit, where it came from in words)`` for a serving command: ``--max-len`` when
+    given; else the model's own context (``max_position_embeddings``), at most ``hi`` and the
+    ``capacity`` tokens one KV cache holds (None: no such cap; a command that reserves the limit
+    for every request needs it, where vLLM would refuse to start). ``(None, "")`` when the
+    model states no context: the caller takes its longest request. Example: gpt-oss-20b (131,072)
+    on 502,432 KV slots -> ``(131072, "gpt-oss-20b's context")``; Llama-3.1-8B on ``--kv-gib 1``
+    (8,192 slots) -> ``(8192, "what the KV cache holds (Llama-3.1-8B's context is 131,072)")``."""
+    if args.max_len is not None:
+        return args.max_len, "--max-len"
+    if spec.max_context is None:
+        return None, ""
+    limit = min(spec.max_context, hi if capacity is None else capacity, hi)
+    if limit == spec.max_context:
+        return limit, f"{spec.name}'s context"
+    held = "what the KV cache holds" if limit == capacity else "the simulator's limit"
+    return limit, f"{held} ({spec.name}'s context is {spec.max_context:,})"
+
+
+def check_requests_fit(requests, allocator, limit: int, origin: str, where: str = "the KV cache") -> None:
+    """A :class:`UsageError` in the command's words when the longest of ``requests`` (already
+    cut to the context ``limit``, which came from ``origin``) cannot fit ``allocator``'s whole
+    cache even alone: it could never run. Says the flags that fix it. Example: a 1,891-token
+    request on 5 blocks of 16 needs 119 blocks; a limit of 80 tokens would fit."""
+    from ..sim.scheduler import check_fits
+
+    try:
+        check_fits(requests, allocator, limit)
+    except ValueError:
+        longest = max(requests, key=lambda r: r.total_len)
+        bs, groups = allocator.block_size, getattr(allocator, "num_groups", 1)
+        need, blocks = allocator.prompt_blocks(longest.total_len), allocator.capacity // bs
+        per_group = f" ({groups} attention groups)" if groups > 1 else ""
+        now = f"now {limit:,}" + ("" if origin == "--max-len" else f": {origin}")
+        raise UsageError(f"request {longest.req_id} needs {longest.total_len:,} tokens, {need:,} blocks of {bs}"
+                         f"{per_group}, but {where} holds {blocks:,} blocks: it could never run; give more KV "
+                         f"memory (--kv-gib, --gpu-mem-gib) or --max-len {blocks // groups * bs:,} or less "
+                         f"({now})") from None
+
+
+def progress_bar(args, total: int, label: str):
+    """The progress bar a long command draws on stderr (a :class:`~pagedkv.sim.progress.Progress`
+    over ``total`` steps), or None: drawn from the start when ``--progress`` asks for it; drawn
+    unasked when stderr is a terminal, once the run has taken :data:`AUTO_PROGRESS_DELAY_S`; never
+    on a redirected stderr unless asked (a log file gets no bar)."""
+    from ..sim.progress import Progress
+
+    asked = bool(getattr(args, "progress", False))
+    if not asked:
+        try:
+            if not sys.stderr.isatty():
+                return None
+        except (AttributeError, ValueError):  # no stderr, or a closed one
+            return None
+    return Progress(total, label, delay=0.0 if asked else AUTO_PROGRESS_DELAY_S)
+
+
+def attention_name(a) -> str:
+    """An attention spec in plain words: ``SlidingWindow(128)`` -> "sliding window 128",
+    ``ChunkedLocalAttention(8192)`` -> "chunked local 8,192", ``FullAttention()`` -> "full"."""
+    if a.kind == "sliding_window":
+        return f"sliding window {a.window:,}"
+    if a.kind == "chunked_local_attention":
+        return f"chunked local {a.chunk:,}"
+    return "full"
 
 
 def _weights(args, spec) -> int:

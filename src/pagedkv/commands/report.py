@@ -1,8 +1,9 @@
 """``pagedkv report``: the main job. Measures fork cost, copy-on-write, and memory waste.
 
 With no arguments it runs every section on the built-in workloads and the public traces shipped
-with pagedkv, and prints plain-text tables (about 170 s on two cores, measured); ``--out DIR`` also
-writes report.md, report.json and PNG plots. Progress goes to stderr, the report to stdout.
+with pagedkv, and prints the summary and every section as plain-text tables (about 140 s of CPU,
+measured as README.md says); ``--out DIR`` writes report.md, report.json and PNG plots instead and
+prints only the summary and where they went. Progress goes to stderr.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import shutil
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -42,10 +44,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"run only these sections, in this order; any of: {', '.join(SECTIONS)}")
     p.add_argument("--seed", type=int, default=0, help="seed of every workload (default 0)")
     p.add_argument("--quick", action="store_true",
-                   help="small workloads: about 30 s on two cores instead of about 170 s; a smoke "
+                   help="small workloads: about 20 s of CPU instead of about 140 s; a smoke "
                         "run whose numbers are noisier")
+    p.add_argument("--nanovllm", type=Path, default=None, metavar="PATH",
+                   help="a checkout of github.com/GeeeekExplorer/nano-vllm: the nanovllm section runs "
+                        "its own scheduler (default: $PAGEDKV_NANOVLLM, an installed nanovllm, else "
+                        "an engine written here with its rules)")
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
-                   help="also write report.md, report.json and PNG plots (with matplotlib) here")
+                   help="write report.md, report.json and PNG plots (with matplotlib) here, and print "
+                        "only the summary")
 
 
 def _sections(text: str | None) -> list[str] | None:
@@ -89,6 +96,21 @@ def _check_user_traces(data_dir: Path | None) -> None:
             load_trace(path)
 
 
+def _check_nanovllm(path: Path | None) -> None:
+    """Load nano-vllm's files now (``--nanovllm``, else ``$PAGEDKV_NANOVLLM``): a path that holds
+    no usable engine must stop the report before the first section."""
+    from ..sim.nanovllm_files import ENV, load_engine
+
+    env = os.environ.get(ENV)
+    if path is not None:
+        load_engine(path, "--nanovllm")
+    elif env:
+        try:
+            load_engine(env, f"{ENV}")
+        except ValueError as e:
+            raise UsageError(f"{e} (unset {ENV} to run the engine written here)") from None
+
+
 def _options(args: argparse.Namespace, progress) -> ReportOptions:
     check_int("--block-size", args.block_size, 1, MAX_BLOCK_SIZE, " (the report's context limit)")
     check_int("--seed", args.seed, 0)
@@ -97,8 +119,9 @@ def _options(args: argparse.Namespace, progress) -> ReportOptions:
     _check_user_traces(args.data_dir)
     if args.trace is not None:
         _check_trace(args.trace)
+    _check_nanovllm(args.nanovllm)
     return ReportOptions(model=args.model, block_size=args.block_size, seed=args.seed, quick=args.quick,
-                         trace=args.trace, data_dir=args.data_dir, progress=progress)
+                         trace=args.trace, data_dir=args.data_dir, nanovllm=args.nanovllm, progress=progress)
 
 
 def _write_out(sections, opts: ReportOptions, out: Path) -> list[Path]:
@@ -134,18 +157,32 @@ def run(args: argparse.Namespace) -> int:
     if args.trace is not None and keys is not None and not set(keys) & TRACE_SECTIONS:
         raise UsageError(f"--trace: none of the chosen sections reads a trace "
                          f"(those that do: {','.join(sorted(TRACE_SECTIONS))})")
+    if args.nanovllm is not None and keys is not None and "nanovllm" not in keys:
+        raise UsageError("--nanovllm: the nanovllm section, the only one that runs nano-vllm, is not "
+                         "among the chosen sections")
     opts = _options(args, progress)
     if args.out is not None:
         check_out_dir("--out", args.out)
     sections = build_report(opts, keys, progress)
-    text = render_text(sections)
-    emit(text[:-1] if text.endswith("\n") else text)
-    if args.out is not None:
+    if args.out is None:
+        text = render_text(sections, opts=opts)
+        emit(text[:-1] if text.endswith("\n") else text)
+    else:
         from ..report.plots import plot_available
 
-        for path in _write_out(sections, opts, args.out):
-            print(f"wrote {path}", file=sys.stderr)
+        progress("writing report.md, report.json and the plots")
+        try:
+            written = _write_out(sections, opts, args.out)
+        except OutputError:
+            text = render_text(sections, opts=opts)  # the files failed: the run's results still show
+            emit(text[:-1] if text.endswith("\n") else text)
+            raise
+        pngs = [p for p in written if p.suffix == ".png"]
+        where = (f"The whole report: {args.out / 'report.md'} (Markdown) and {args.out / 'report.json'} "
+                 f"(every number)" + (f", with {len(pngs)} PNG plots in {args.out}." if pngs else "."))
+        lines = textwrap.wrap(where, 100, break_long_words=False)
         if not plot_available():
-            print("no PNG plots: matplotlib is not installed (pip install 'pagedkv[plot]')", file=sys.stderr)
+            lines.append("No PNG plots: matplotlib is not installed (pip install 'pagedkv[plot]').")
+        emit(render_text(sections, summary_only=True, opts=opts) + "\n" + "\n".join(lines))
     print(f"[pagedkv report] done in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return 0

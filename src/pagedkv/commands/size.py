@@ -7,6 +7,7 @@ Examples:
     pagedkv size OPT-13B --kv-gib 12                                # vLLM Table 1: 15,728 slots
     pagedkv size --config path/to/config.json --dtype fp8 --tp 4
     pagedkv size gpt-oss-20b --kv-gib 40 --context 4096,131072    # hybrid: per-group sizes
+    pagedkv size Qwen3-Next-80B-A3B --tp 4 --kv-gib 34.28 --replay mooncake   # recurrent states
 """
 from __future__ import annotations
 
@@ -23,13 +24,17 @@ from ..sim.sizing import (
     fit_blocks,
     get_model,
     group_kv,
+    kv_budget_bytes,
+    load_config,
     kv_size,
     request_kv_bytes,
     spec_from_config,
 )
 from ..sim.page_layout import equal_page_layout, vllm_group_layers
+from ..sim.state_sizing import get_hybrid, hybrid_from_config, is_hybrid_state_config
+from .size_hybrid import REPLAY_TRACES, hybrid_tables, list_table as hybrid_list_table
 from ..report.tables import Table
-from . import UsageError, check_int, check_number, emit, reports_errors
+from . import UsageError, attention_name, check_int, check_number, emit, reports_errors
 
 __all__ = ["add_arguments", "run"]
 
@@ -51,6 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", default=",".join(map(str, DEFAULT_CONTEXTS)), metavar="N[,N...]",
                         help="context lengths (tokens) at which a hybrid model's KV per request is shown "
                              "uniform against grouped (default %(default)s)")
+    parser.add_argument("--replay", default="", metavar="TRACE[,TRACE...]",
+                        help="recurrent-state hybrids: replay these lengths through vLLM's pages, separate "
+                             f"pools and small pages ({', '.join(REPLAY_TRACES)}; needs a KV budget)")
+    parser.add_argument("--requests", type=int, default=1000,
+                        help="requests of each --replay trace (the first N; default %(default)s)")
+    parser.add_argument("--max-running", type=int, default=1024,
+                        help="most requests running at once in a --replay (default %(default)s, vLLM's "
+                             "--max-num-seqs on GPUs of 70 GiB or more)")
 
 
 DEFAULT_CONTEXTS = (4096, 8192, 32768, 131072)
@@ -88,6 +101,12 @@ def _check(args: argparse.Namespace) -> None:
     if args.kv_gib is not None and args.gpu_mem_gib is not None:
         raise UsageError("give --kv-gib or --gpu-mem-gib, not both")
     args.contexts = _contexts(args.context)
+    check_int("--requests", args.requests, 1, 1 << 20)
+    check_int("--max-running", args.max_running, 1, 1 << 20)
+    args.replay = [t.strip() for t in str(args.replay).split(",") if t.strip()]
+    for trace in args.replay:
+        if trace not in REPLAY_TRACES:
+            raise UsageError(f"--replay must name traces among {', '.join(REPLAY_TRACES)}, got {trace!r}")
 
 
 def _tp_misfit(spec: ModelSpec, tp: int) -> bool:
@@ -130,18 +149,9 @@ def _list_table(args: argparse.Namespace) -> Table:
     return t
 
 
-def _attention_name(a) -> str:
-    """``SlidingWindow(128)`` -> "sliding window 128"; ``FullAttention()`` -> "full"."""
-    if a.kind == "sliding_window":
-        return f"sliding window {a.window:,}"
-    if a.kind == "chunked_local_attention":
-        return f"chunked local {a.chunk:,}"
-    return "full"
-
-
 def _layer_mix(spec: ModelSpec) -> str:
     """"12 sliding window 128 + 12 full" for a hybrid model, "32 full" for a uniform one."""
-    return " + ".join(f"{n} {_attention_name(a)}" for a, n in attention_groups(spec))
+    return " + ".join(f"{n} {attention_name(a)}" for a, n in attention_groups(spec))
 
 
 def _hybrid_tables(args: argparse.Namespace, spec: ModelSpec, budget: int | None) -> list[Table]:
@@ -151,7 +161,7 @@ def _hybrid_tables(args: argparse.Namespace, spec: ModelSpec, budget: int | None
     groups = Table(f"Attention groups: {spec.name} (per GPU, block size {args.block_size})",
                    ["group", "attention", "layers", "bytes/token", "bytes/block"])
     for i, g in enumerate(group_kv(spec, 0, **kw)):
-        groups.add(i, _attention_name(g.attention), g.layers, g.bytes_per_token, g.bytes_per_block)
+        groups.add(i, attention_name(g.attention), g.layers, g.bytes_per_token, g.bytes_per_block)
     cols = ["context tokens", "uniform MiB", "grouped MiB", "saved %"]
     pages = None
     if budget is not None:
@@ -167,7 +177,7 @@ def _hybrid_tables(args: argparse.Namespace, spec: ModelSpec, budget: int | None
         per_request.add(*row)
     per_request.notes.append(
         "grouped: a sliding-window group holds the blocks its last position read (window W: "
-        "about W/block_size + 1 blocks), a chunked-local group the blocks of the current chunk, "
+        "about W / block size + 1 blocks), a chunked-local group the blocks of the current chunk, "
         "a full group every block; uniform: every layer keeps every block")
     if budget is not None:
         per_request.notes.append("requests fit = KV budget // bytes per request, each group's blocks "
@@ -186,6 +196,14 @@ def _size_tables(args: argparse.Namespace) -> list[Table]:
         raise UsageError(f"--config {args.config} is a directory; give the config.json file in it")
     if args.config and not Path(args.config).is_file():
         raise UsageError(f"--config {args.config}: no such file")
+    config = load_config(args.config) if args.config else None
+    hybrid = (hybrid_from_config(config, name=Path(args.config).parent.name or None)
+              if config is not None and is_hybrid_state_config(config)
+              else get_hybrid(args.model) if args.model else None)
+    if hybrid is not None:
+        return hybrid_tables(hybrid, args, _hybrid_budget(args))
+    if args.replay:
+        raise UsageError("--replay sizes recurrent-state hybrids; this model has no recurrent state")
     spec = spec_from_config(args.config) if args.config else get_model(args.model)
     _check_tp(spec, args.tp)
     s = kv_size(spec, dtype=args.dtype, tp=args.tp, block_size=args.block_size)
@@ -213,6 +231,21 @@ def _size_tables(args: argparse.Namespace) -> list[Table]:
     if spec.is_hybrid:
         tables += _hybrid_tables(args, spec, _budget(args, spec))
     return tables
+
+
+def _hybrid_budget(args: argparse.Namespace) -> int | None:
+    """A recurrent-state hybrid's KV budget: --kv-gib, or --gpu-mem-gib with --weights-gib (their
+    weights are never estimated: every built-in hybrid is a mixture of experts or MLA)."""
+    if args.kv_gib is not None:
+        return int(args.kv_gib * GIB)
+    if args.gpu_mem_gib is None:
+        if args.replay:
+            raise UsageError("--replay needs a KV budget: give --kv-gib, or --gpu-mem-gib with --weights-gib")
+        return None
+    if args.weights_gib is None:
+        raise UsageError("--gpu-mem-gib needs --weights-gib for a recurrent-state hybrid (its weights are not "
+                         "estimated)")
+    return kv_budget_bytes(args.gpu_mem_gib, args.util, args.weights_gib)
 
 
 def _budget(args: argparse.Namespace, spec: ModelSpec) -> int | None:
@@ -263,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
     """Print the requested tables; return 0, or 2 with one line on stderr for bad input."""
     _check(args)
     if args.list:
-        emit(_list_table(args).to_text())
+        emit(_list_table(args).to_text() + "\n\n" + hybrid_list_table(args.tp).to_text())
         return 0
     emit("\n\n".join(t.to_text() for t in _size_tables(args)))
     return 0

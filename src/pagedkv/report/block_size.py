@@ -6,7 +6,7 @@ size. Small blocks waste less but need longer block tables (one int32 entry per 
 every attention kernel call) and more allocator work per token, measured here. This section
 serves the same ShareGPT-like workload with the real manager at every block size from 1 to 512,
 on the vLLM paper's memory (OPT-13B, 12 GiB of KV), and reads the waste from the manager's own
-``usage()``. It makes no throughput claim: the step-time model prices memory traffic and FLOPs
+counts. It makes no throughput claim: the step-time model prices memory traffic and FLOPs
 but not what small blocks cost the attention kernel (the paper's Fig. 18b measures block size 16
 to 128 best end to end), so a modelled requests/s would favour block size 1 wrongly.
 
@@ -101,7 +101,7 @@ def section(opts: ReportOptions) -> Section:
         plot={"name": "block_size_fragmentation", "x": "block size",
               "y": ["internal frag %", "(bs-1)/2 model %"], "kind": "line", "logx": True, "ymin": 0,
               "styles": {"(bs-1)/2 model %": {"linestyle": "--", "marker": "x"}},
-              "legend": {"internal frag %": "measured: 1 - stored / allocated (manager usage())",
+              "legend": {"internal frag %": "measured: share of allocated slots holding no token",
                          "(bs-1)/2 model %": "model: (bs-1)/2 unused slots per sequence"},
               "title": "Paged internal fragmentation against block size, measured and modelled "
                        "(ShareGPT-like, OPT-13B, 12 GiB of KV)",
@@ -110,6 +110,8 @@ def section(opts: ReportOptions) -> Section:
     data = {}
     kv_bytes = sizing.kv_bytes_per_token(PAPER_MODEL)
     for bs in BLOCK_SIZES:
+        if bs in (1, 16):  # progress: the small block sizes are the slow ones
+            opts.note(f"block_size: block size {bs} and up")
         row, d = _row(reqs, bs, kv_bytes)
         t.add(*row)
         data[bs] = d
@@ -117,7 +119,7 @@ def section(opts: ReportOptions) -> Section:
     t.notes += [
         f"{n} requests at t=0 on OPT-13B's 12 GiB of KV ({num_blocks * 16:,} slots at block size 16; "
         "whole blocks only, so large blocks lose up to one block of capacity).",
-        "internal frag = 1 - stored_tokens / allocated_slots from KVCacheManager.usage(), time-weighted over "
+        "internal frag = 1 - stored tokens / allocated slots, counted by the manager, time-weighted over "
         "decode steps; the model column predicts (bs-1)/2 unused slots per running sequence.",
         "table bytes: int32 block-table entries (per running sequence, and for a 2,048-token sequence); "
         "all tables = every running sequence's entries, time-weighted.",

@@ -121,14 +121,14 @@ def _timeline_table(rows, bs) -> Table:
     for r in rows:
         t.add(*r.values())
     for note in (
-            "computed: A's num_computed; table: blocks in A's table; published: blocks this step made "
+            "computed: A's tokens in KV; table: blocks in A's table; published: blocks this step made "
             "findable by other requests' prefix lookups (announced as BlockStored, vLLM's KV event for "
             "a block entering the prefix cache); full blocks: computed // block size (= pub. total: "
             "the manager publishes a block once all its positions are scheduled)",
             "B hits: lookup(B) right after this step's scheduling (side-effect free). Chunked, B hits "
             "only blocks whose positions are all scheduled: a block published in this step is "
             "computed in this step's forward, before B's attention reads it",
-            "B hits, whole: A admitted whole (add_sequence without a chunk size, prefill=None: every "
+            "B hits, whole: A admitted whole (add_sequence with no chunk size: every "
             "prompt position counts as scheduled at admission) publishes every full block at step 0, "
             "before an engine computing the prompt in chunks has its K/V. A's last partial block is "
             "published when decoding fills it"):
@@ -159,29 +159,14 @@ def memory_rows(prompt_len: int, chunk: int, bs: int) -> list[tuple[int, int, in
     return rows
 
 
-def _memory_table(rows, bs, block_bytes, model, data) -> Table:
+def _memory_summary(rows, block_bytes, data) -> None:
+    """What a chunked prefill holds against a whole one, averaged over its chunks, into ``data``
+    (the text states it: blocks grow one chunk at a time, so a table of them is a straight line)."""
     prompt_len, chunk = rows[-1][0], rows[0][0]
-    t = Table(f"(b) blocks held prefilling a {prompt_len:,}-token prompt in chunks of {chunk} "
-              f"(MiB: {model})",
-              ["chunk", "computed", "blocks chunked", "blocks whole", "MiB chunked", "MiB whole",
-               "chunked / whole %"],
-              plot={"name": "chunked_memory", "x": "computed", "y": ["MiB chunked", "MiB whole"], "kind": "line",
-                    "ylabel": f"KV MiB held ({model})", "xlabel": "prompt tokens computed (tokens)",
-                    "legend": {"MiB chunked": "chunked: blocks allocated as chunks are scheduled",
-                               "MiB whole": "whole prompt allocated at admission"},
-                    "styles": {"MiB whole": {"linestyle": "--", "marker": "s"}},
-                    "title": f"KV memory held while prefilling a {prompt_len:,}-token prompt in chunks of "
-                             f"{chunk} ({model})"})
-    for i, (done, a, b) in enumerate(rows):
-        t.add(i + 1, done, a, b, a * block_bytes / MIB, b * block_bytes / MIB, 100 * a / b)
     held, whole = sum(r[1] for r in rows), sum(r[2] for r in rows)
     data.update(memory_prompt_tokens=prompt_len, memory_chunk=chunk, memory_chunks=len(rows),
                 mean_blocks_chunked=held / len(rows), mean_blocks_whole=whole / len(rows),
                 mean_held_ratio=held / whole, block_bytes=block_bytes)
-    t.notes += _wrap(f"blocks whole: the whole prompt allocated at admission (no chunking). Averaged "
-                     f"over the {len(rows)} chunks the chunked prefill holds {held / whole:.1%} of "
-                     "those blocks (block-steps); after the last chunk both hold the same", "  ")
-    return t
 
 
 # ---- (c) rollback of rejected drafts
@@ -261,7 +246,7 @@ def rollback_run(p: float, k: int, bs: int, seqs: int, steps: int, seed: int = 0
 
 
 def _rollback_table(runs, block_bytes, model, seqs, steps) -> Table:
-    t = Table(f"(c) rollback: {seqs} sequences x {steps} steps of k drafts, each right with "
+    t = Table(f"(b) rollback: {seqs} sequences x {steps} steps of k drafts, each right with "
               f"probability p",
               ["p", "k", "accepted %", "tok/step", "freed", "MiB freed", "wrong blk", "wrong tok",
                "published", "pub. wrong"],
@@ -316,14 +301,16 @@ def section(opts: ReportOptions) -> Section:
         "scheduled for compute; chunks allocate only what they schedule; draft tokens are never "
         "published and roll back with accept(). Every number below is read from KVCacheManager "
         "runs (numpy only, no model).", WIDTH))
-    sec.tables = [_timeline_table(rows, bs), _memory_table(mem, bs, block_bytes, opts.model, data),
-                  _rollback_table(runs, block_bytes, opts.model, seqs, steps)]
+    _memory_summary(mem, block_bytes, data)
+    sec.tables = [_timeline_table(rows, bs), _rollback_table(runs, block_bytes, opts.model, seqs, steps)]
     sec.data = data
     first = rows[0]
     sec.text.append(textwrap.fill(
         f"After A's first chunk ({first['computed']} positions) B would hit {first['B hits']} tokens; "
-        f"with A admitted whole, {first['B hits, whole']}. Mid-prefill the chunked prompt holds "
-        f"{data['mean_held_ratio']:.0%} of the whole-prompt blocks on average. Blocks freed by "
+        f"with A admitted whole, {first['B hits, whole']}. Prefilling a {data['memory_prompt_tokens']:,}-token "
+        f"prompt in chunks of {data['memory_chunk']}, the chunked manager holds "
+        f"{data['mean_held_ratio']:.0%} of the whole prompt's blocks on average (blocks grow with each "
+        f"chunk). Blocks freed by "
         f"rollback (k={DRAFT_LENGTHS[0]}): "
         + ", ".join(f"p={r.p}: {r.freed:,}" for r in runs if r.k == DRAFT_LENGTHS[0]) + ".", WIDTH))
     return sec

@@ -7,7 +7,7 @@ rounded up to a power of two (Pow2), 38.2% when it reserves its true length (Ora
 by the buddy algorithm, and 96.3% with vLLM's paging; the rest of each bar is reservation,
 internal fragmentation (memory reserved beyond a request's real length) and external
 fragmentation & others (the buddy's rounding among them). We rebuild that experiment from parts that
-run: the same KV memory (OPT-13B, 12 GiB -> 15,728 token slots, from pagedkv.sim.sizing), the
+run: the same KV memory (OPT-13B, 12 GiB -> 15,728 token slots, computed from its config), the
 three reservations as real buddy allocators, the real KVCacheManager for paging, one
 continuous-batching scheduler for all four, and the A100's bandwidth for step times. The headline
 is a serving run: Poisson arrivals at 1.25 x the rate paging serves when saturated (measured and
@@ -298,8 +298,14 @@ class _Workload:
     sweep: list  # (multiple of capacity, SimResult, Metrics), paged serving runs
 
 
-def _run_all(reqs: list[Request], bs: int, window: str, names=ALLOCATORS, **kw) -> dict:
-    return {NAMES[a]: run_one(reqs, a, bs, window=window, **kw) for a in names}
+def _run_all(reqs: list[Request], bs: int, window: str, names=ALLOCATORS, note=None, **kw) -> dict:
+    """Every allocator on ``reqs``; ``note`` (when given) hears of paging's run, the slow one."""
+    out = {}
+    for a in names:
+        if note is not None and a == "paged":
+            note("paged")
+        out[NAMES[a]] = run_one(reqs, a, bs, window=window, **kw)
+    return out
 
 
 def _workload(key: str, label: str, src, opts: ReportOptions, n: int, spread, sweep) -> _Workload | Prepared:
@@ -310,25 +316,27 @@ def _workload(key: str, label: str, src, opts: ReportOptions, n: int, spread, sw
     sat = prepare(src, n, opts.seed)
     if not sat.requests:
         return sat
-    sat_runs = _run_all(sat.requests, bs, "saturated")
+    sat_runs = _run_all(sat.requests, bs, "saturated", note=lambda a: opts.note(f"fig2, {label}: saturated, {a}"))
     capacity = paged_capacity(sat_runs["paged"][1])
     rate = serving_rate(sat_runs["paged"][1])
     opts.note(f"fig2, {label}: serving runs at {rate:g} req/s")
     srv = prepare(src, n, opts.seed, rate=rate)
-    srv_runs = _run_all(srv.requests, bs, "run")
+    srv_runs = _run_all(srv.requests, bs, "run", note=lambda a: opts.note(f"fig2, {label}: serving, {a}"))
     band, sat_band, band_rates, sweep_runs = {}, {}, [], []
     if key == "sharegpt":
         for a in ("pow2", "oracle"):
             srv_runs[NAMES[a] + EXACT] = run_one(srv.requests, a, bs, window="run", exact=True)
         if spread is not None:
-            opts.note(f"fig2, {label}: length-spread band (log-sd {spread[0]:.2f} and {spread[1]:.2f})")
+            opts.note(f"fig2, {label}: length-spread band ({spread[0]:.2f} and {spread[1]:.2f})")
             for sd in spread:  # the whole procedure again, its rate included
+                opts.note(f"fig2, {label}: band at spread {sd:.2f}, saturated")
                 sat_sd = prepare(src, n, opts.seed, log_sd=sd).requests
                 runs_sd = _run_all(sat_sd, bs, "saturated")
                 for name, (_, m) in runs_sd.items():
                     sat_band.setdefault(name, []).append(m.token_share)
                 rate_sd = serving_rate(runs_sd["paged"][1])
                 band_rates.append(rate_sd)
+                opts.note(f"fig2, {label}: band at spread {sd:.2f}, serving")
                 reqs = prepare(src, n, opts.seed, rate=rate_sd, log_sd=sd).requests
                 for name, (_, m) in _run_all(reqs, bs, "run").items():
                     band.setdefault(name, []).append(m.token_share)
@@ -522,8 +530,8 @@ def section(opts: ReportOptions) -> Section:
         "Paper columns: vLLM paper Fig. 2 (ShareGPT, OPT-13B, read from its bars); it has no Azure "
         "bars, and for vLLM it gives the token states share only.",
     ]
-    sat_t.notes += [memory, "Band: the same rerun at the two log-sds (spreads of log length) as in the serving-run table.",
-                    "Categories and columns as in the serving-run table."]
+    sat_t.notes += ["Memory, band (the same reruns at the two spreads of log length), categories and "
+                    "columns as in the serving-run table."]
     tables = [srv_t, sat_t, _cost_table(wls, cm)]
     if head.sweep:
         tables.append(_sweep_table(head))
@@ -532,6 +540,7 @@ def section(opts: ReportOptions) -> Section:
         heading="Memory waste: pre-allocation vs paging (vLLM Fig. 2)",
         intro=(__doc__ or "").split("\n\n")[1].replace("\n", " "),
         tables=tables,
+        setup="OPT-13B's memory on an A100-40GB (the paper's); step times modelled",
         text=[_regime_text(head, opts.quick),
               "Requests over the model's limit: " + " ".join([_fit_note(wl) for wl in wls] + empty)],
     )
@@ -546,10 +555,10 @@ def _band_note(spread, head: _Workload) -> str:
 
     rates = " and ".join(f"{r:g}" for r in head.band_rates)
     assumed = LOGNORMAL_SPECS["sharegpt"].output_sigma
-    return (f"Band: token states % from the whole procedure rerun with the ShareGPT-like log-sd (the "
-            f"standard deviation of log length, the lognormal's spread) of "
+    return (f"Band: token states % from the whole procedure rerun with the ShareGPT-like spread of "
+            f"log length (its standard deviation, the lognormal's spread) of "
             f"prompt and output lengths set to {spread[0]:.2f} and {spread[1]:.2f} (assumed {assumed:g}; rates "
-            f"{rates} req/s by the same rule), the smallest and largest log-sd of any length in the "
+            f"{rates} req/s by the same rule), the smallest and largest spread of any length in the "
             "public traces (Azure conv, Azure code, Mooncake), since the paper publishes only "
             "ShareGPT's means. Same seed.")
 

@@ -15,7 +15,7 @@ come and go. Four tables:
    in expectation for keys hashed uniformly.
 2. **Bounded loads.** The ring with a cap of ``ceil((1 + eps) x average in flight)`` per replica
    (Mirrokni, Thorup and Zadimoghaddam, SODA'18) on a slice of the Mooncake conversation trace
-   (its first 800 requests, 100 with ``quick``: six fleet runs of the whole trace would take
+   (its first 500 requests, 100 with ``quick``: six fleet runs of the whole trace would take
    minutes, see ``benchmarks/fleet_scale.py``; ``pagedkv fleet --num-requests all`` runs it):
    hit rate against balance as ``eps`` varies.
 3. **Routers on the same slice**: round-robin (cache-blind; ``pagedkv fleet`` also runs
@@ -49,7 +49,7 @@ from ..sim.traces import detect_format, load_mooncake_jsonl, trace_not_found, tr
 from .tables import Section, Table
 from .options import ReportOptions
 
-__all__ = ["section", "vnode_rsd", "REPLICAS", "VNODES", "PUBLISHED"]
+__all__ = ["section", "vnode_rsd", "REPLICAS", "VNODES"]
 
 KEY, HEADING = "fleet", "A fleet of replicas: why virtual nodes, and how many"
 REPLICAS = 16
@@ -57,7 +57,7 @@ VNODES = (1, 10, 100, 1_000)
 RING_VNODES = 100  # the ring the fleet runs use
 SEEDS = {False: 100, True: 10}  # ring seeds per k (full, quick)
 KEY_REQUESTS = {False: None, True: 1_000}  # trace requests whose keys table 1 places (None: all)
-FLEET_REQUESTS = {False: 800, True: 100}  # the slice tables 2-4 serve; the whole trace: pagedkv fleet
+FLEET_REQUESTS = {False: 500, True: 100}  # the slice tables 2-4 serve; the whole trace: pagedkv fleet
 EPS = {False: (0.1, 0.25, 1.0), True: (0.25,)}
 GPU_MEM_GIB, UTIL = 80.0, 0.9  # an H100, as pagedkv simulate assumes by default
 MAX_LEN = 131_072
@@ -65,36 +65,6 @@ MAX_LEN = 131_072
 # Their figures, verbatim from the cited pages; shown next to ours, never used as ours. "baseline"
 # is what each source itself compares against, in its own words: only a source whose baseline is
 # round-robin also gets a row with ours against round-robin; every source gets ours against the ring.
-PUBLISHED = [
-    {"who": "llm-d",
-     "source": "llm-d blog 'KV-Cache Wins You Can See' (2025-09-24), llm-d.ai/blog/kvcache-wins-you-can-see",
-     "setup": "8 vLLM pods x 2 H100, Qwen-32B; 150 groups with a 6,000-token shared prefix, 5 users "
-              "each asking 1,200-token questions; Poisson 3 to 60 QPS",
-     "comparison": "precise prefix-cache scheduling vs approximate-scheduling (load-aware plus an "
-                   "'approximate-locality index based on routing history', no KV events: the nearest of "
-                   "their baselines to a ring): TTFT p90",
-     "theirs": "0.542 s vs 31.083 s (57x); their cache-blind baselines: random 92.551 s, load-aware "
-               "94.865 s; output 8,730 vs 6,944.4 tokens/s",
-     "metric": "ttft_p90", "baseline": "approximate"},
-    {"who": "SGLang router",
-     "source": "SGLang v0.4 release blog (2024-12-04), lmsys.org/blog/2024-12-04-sglang-v0-4",
-     "setup": "8 x A100 80GB, Llama-3.1-8B, data parallel 8; 'generated-shared-prefix' workload with "
-              "multiple long prefix groups, each perfectly balanced",
-     "comparison": "cache-aware router vs the v0.3 data-parallel baseline (the blog contrasts it with 'a "
-                   "naive round-robin load balancer for data parallelism'): cache hit rate",
-     "theirs": "75% vs 20% (3.8x); throughput 158,596 vs 82,665 tokens/s (1.9x)",
-     "metric": "hit", "baseline": "round-robin"},
-    {"who": "Preble",
-     "source": "Srivatsa et al., 'Preble: Efficient Distributed Prompt Scheduling for LLM Serving', "
-               "ICLR 2025, arXiv:2407.00023",
-     "setup": "two open-source LLMs, real workloads and request arrival patterns, several GPUs",
-     "comparison": "E2 scheduling (prefix reuse + load balance) vs data-parallel SGLang ('the SGLang "
-                   "round-robin baseline', section 4.4): average and p99 request latency",
-     "theirs": "1.5x to 14.5x lower average latency, 2x to 10x lower p99",
-     "metric": "latency", "baseline": "round-robin"},
-]
-
-
 def vnode_rsd(replicas: int, vnodes: int, seeds: int, keys: np.ndarray | None = None) -> dict:
     """Relative standard deviation of load across ``replicas`` on rings of ``vnodes`` points
     each, one ring per seed in ``range(seeds)``.
@@ -269,56 +239,6 @@ def _router_table(results: list[tuple[str, FleetResult]], n: int, sec: Section) 
     return t
 
 
-def _ratio(a: float, b: float) -> float:
-    return a / b if b else math.nan
-
-
-def _versus(metric: str, p: dict, base: dict, name: str) -> str:
-    """Ours on ``metric``: the precise router's run ``p`` against the run ``base`` of router ``name``."""
-    if metric == "hit":
-        return (f"precise vs {name}: hit {100 * p['hit_rate']:.1f}% vs {100 * base['hit_rate']:.1f}% "
-                f"({_ratio(p['hit_rate'], base['hit_rate']):.2f}x)")
-    if metric == "ttft_p90":
-        return (f"precise vs {name}: TTFT p90 {1e3 * p['ttft_p90_s']:.0f} ms vs {1e3 * base['ttft_p90_s']:.0f} ms "
-                f"({name} / precise = {_ratio(base['ttft_p90_s'], p['ttft_p90_s']):.2f})")
-    return (f"precise vs {name}: latency mean {p['latency_mean_s']:.2f} s vs {base['latency_mean_s']:.2f} s "
-            f"({name} / precise = {_ratio(base['latency_mean_s'], p['latency_mean_s']):.2f}), p99 "
-            f"{p['latency_p99_s']:.2f} s vs {base['latency_p99_s']:.2f} s "
-            f"({_ratio(base['latency_p99_s'], p['latency_p99_s']):.2f})")
-
-
-def _published_table(rows: dict, sec: Section) -> Table:
-    """Each source's figure next to ours on its metric: the precise router against the ring (the
-    comparison this section makes), and, for a source whose own baseline is round-robin, one more
-    row against round-robin, labelled as such."""
-    t = Table("Published figures (theirs, each from its source) next to the precise router against the ring "
-              "here (ours)",
-              ["who", "source", "their setup", "their comparison", "theirs", "ours (the routers table's slice)"])
-    compared = []
-    have = "precise" in rows and "ring" in rows
-    for pub in PUBLISHED:
-        ours = _versus(pub["metric"], rows["precise"], rows["ring"], "ring") if have else "n/a (no precise run)"
-        t.add(pub["who"], pub["source"], pub["setup"], pub["comparison"], pub["theirs"], ours)
-        compared.append({"who": pub["who"], "against": "ring", "metric": pub["metric"], "ours": ours})
-        if pub["baseline"] == "round-robin":
-            extra = (_versus(pub["metric"], rows["precise"], rows["round-robin"], "round-robin")
-                     if have and "round-robin" in rows else "n/a (no precise run)")
-            who = f"{pub['who']}, vs its own baseline"
-            t.add(who, "as above", "as above", "as above; their baseline is round-robin, so ours in this row is "
-                  "against round-robin too", "as above", extra)
-            compared.append({"who": who, "against": "round-robin", "metric": pub["metric"], "ours": extra})
-    sec.data["published_comparison"] = compared
-    t.notes.append("none of the three publishes a consistent-hash ring as baseline: llm-d's approximate scorer "
-                   "(a prefix index from routing history) is the nearest; SGLang and Preble compare against "
-                   "round-robin, so each has a second row with ours against round-robin too")
-    busy = sec.data.get("utilization")
-    here = f"here round-robin's replicas are busy {100 * busy:.0f}% of the time" if busy is not None else ""
-    t.notes.append("their loads are far heavier than this trace's (the llm-d run queues for tens of seconds "
-                   f"without prefix routing; {here}), so compare directions, not magnitudes; latency: "
-                   "arrival to last token of each request")
-    return t
-
-
 def _mooncake(opts: ReportOptions) -> tuple[Path | None, str | None]:
     """The Mooncake trace to use, and a sentence when ``opts.trace`` is of another kind."""
     if opts.trace is not None and detect_format(opts.trace) == "mooncake":
@@ -364,7 +284,7 @@ def section(opts: ReportOptions) -> Section:
     requests = keyed[:FLEET_REQUESTS[quick]]
     of = f" of the trace's {len(keyed):,}" if KEY_REQUESTS[quick] is None else " of the trace"
     sec.text.append(
-        f"The bounded-loads, routers and published-figures tables replay the first {len(requests):,} requests{of} on {REPLICAS} replicas, a slice that keeps "
+        f"The bounded-loads and routers tables replay the first {len(requests):,} requests{of} on {REPLICAS} replicas, a slice that keeps "
         "the report quick; pagedkv fleet --num-requests all replays the whole trace, and "
         "benchmarks/fleet_scale.py measures what that costs (docs/design.md, section 2.8).")
     blocks, cost = _fleet_setup(opts)
@@ -387,7 +307,6 @@ def section(opts: ReportOptions) -> Section:
                         "process (msgspec, which puts them on vLLM's wire format, is not installed: "
                         "pip install \"pagedkv[events]\"); the index and the routes are the same either way.")
     sec.tables.append(_router_table(results, len(requests), sec))
-    sec.tables.append(_published_table(sec.data["routers"], sec))
     sec.data.update({"trace": str(path), "replicas": REPLICAS, "blocks_per_replica": blocks,
                      "fleet_requests": len(requests), "key_requests": len(keyed), "seeds": SEEDS[quick]})
     _summary(sec)

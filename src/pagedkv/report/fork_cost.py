@@ -101,18 +101,15 @@ def section(opts: ReportOptions) -> Section:
             "eager copy µs (modelled)",
             "1st write copy µs (modelled)",
         ],
-        plot={"name": "fork_cost_bytes", "x": "tokens",
-              "y": ["fork µs (median)", "eager copy µs (modelled)", "1st write copy µs (modelled)"],
+        plot={"name": "fork_cost_time", "x": "tokens",
+              "y": ["fork µs (median)", "eager copy µs (modelled)"],
               "kind": "line", "logx": True, "logy": True,
               "legend": {"fork µs (median)": "paged fork: refcounts only, no KV moved (measured, median)",
-                         "eager copy µs (modelled)": "eager copy of the whole KV (modelled: H100 HBM, read + write)",
-                         "1st write copy µs (modelled)": f"paged: child's first write copies one {bs}-token "
-                                                         "block (modelled, as above)"},
-              "styles": {"eager copy µs (modelled)": {"linestyle": "--"},
-                         "1st write copy µs (modelled)": {"linestyle": "--"}},
+                         "eager copy µs (modelled)": "eager copy of the whole KV (modelled: H100 HBM, read + write)"},
+              "styles": {"eager copy µs (modelled)": {"linestyle": "--"}},
               "ylabel": "µs per fork (log scale)", "xlabel": "tokens in the forked sequence (log scale)",
-              "title": f"What forking a sequence costs: a paged fork (measured) against copying its "
-                       f"{opts.model} KV eagerly (modelled), block size {bs}"},
+              "title": f"Forking a sequence: paged (measured) against an eager copy of its {opts.model} KV "
+                       f"(modelled)"},
     )
     for length in lengths:
         table.add(*_fork_row(length, bs, kv_bytes, reps))

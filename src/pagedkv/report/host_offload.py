@@ -55,7 +55,7 @@ from ..types import TO_HOST
 from .options import ReportOptions
 
 __all__ = ["section", "replay_tiered", "TierReplay", "ttft_model", "shared_prefix_prompts", "HOST_MULTIPLES",
-           "AZURE_SHARED_TOKENS", "CLAIMS"]
+           "AZURE_SHARED_TOKENS"]
 
 INTRO = (
     "A host tier behind the paged cache, on real traces through the real manager: prefix hits "
@@ -63,7 +63,7 @@ INTRO = (
     "Mooncake conversation trace; what the Azure conversation trace can say (load: it has no "
     "content hashes), and the same hits modelled on its lengths under a stated sharing assumption; "
     "and serving under memory pressure with recompute, offload and swap preemption. "
-    "Transfers are priced on a stated link (pagedkv.sim.tiered): loads and swap-outs make a step "
+    "Transfers are priced on a stated link: loads and swap-outs make a step "
     "wait, offloads overlap its compute.")
 
 KEY, HEADING = "host_offload", "Host tier: prefix hits, time to first token and serving under pressure"
@@ -84,25 +84,6 @@ SERVE_MAX_LEN = 8_192  # longer Azure requests are clipped (counted in the table
 SERVE_HOST_MULTIPLE = 2  # SGLang HiCache's --hicache-ratio 2
 HASH_ALGO = "builtin"  # hits do not depend on the hash function; this one is the fastest
 
-CLAIMS = (
-    "vLLM's offloading connector (Ozeri and Harnik, \"Inside vLLM's New Offloading Connector\", "
-    "blog.vllm.ai, 29 Dec 2025; their measurements, Llama-3.1-8B-Instruct on an H100, GPU and CPU "
-    "blocks of 16 tokens): enabled by --kv_offloading_backend native --kv_offloading_size <GB>; "
-    "loading KV from CPU memory cut a single request's TTFT 2x to 22x depending on prompt size; "
-    "throughput of 10,000 concurrent 512-token prefills rose up to 9x with the CPU hit rate (GPU "
-    "prefix caching disabled); vLLM 0.12's contiguous block layout (32 KB per-layer pieces become "
-    "one 2 MB block for Llama-3.1-8B) brought up to 4x lower TTFT and 5x higher throughput than "
-    "0.11; about 50 GB/s one way and 83.4 GB/s both ways over DMA; offloads run asynchronously "
-    "and do not add to response time.",
-    "SGLang HiCache (Zhiqiang Xie, \"SGLang HiCache: Fast Hierarchical KV Caching with Your "
-    "Favorite Storage Backends\", lmsys.org/blog, 10 Sep 2025; their measurements): up to 6x "
-    "throughput and up to 80% lower TTFT on a long-context and a multi-turn benchmark, with "
-    "storage backends (3FS, Mooncake) behind the host tier; host pool launched with "
-    "--hicache-ratio 2 (twice the device pool, also the value in SGLang's HiCache best-practices "
-    "docs); write-through, selective write-through and write-back; host loads overlapped layer by "
-    "layer with compute; quoted community results: Novita AI 56% lower average TTFT, 2x throughput, "
-    "hit rate 40% -> 80% (with 3FS); Ant Group 84% lower TTFT on cache hits (with Mooncake).",
-)
 
 
 # ---- (b) the Mooncake replay --------------------------------------------------------------------
@@ -307,7 +288,6 @@ def _hits_table(opts: ReportOptions, path: Path, cost: CostModel) -> tuple[Table
         f"block, and the trace shares prefixes in 512-token units, so hits land on the same "
         f"512-token boundaries at any block size that divides 512.")
     t.notes.append(_ttft_note(cost, link, layouts, data))
-    t.notes += [f"Published, theirs and not ours: {c}" for c in CLAIMS]
     return t, {"requests": len(requests), "block_size": bs, "device_blocks": device, "by_host": data}
 
 
@@ -481,11 +461,10 @@ def _serve_table(opts: ReportOptions, path: Path, cost: CostModel) -> tuple[Tabl
         ["mode", "output tokens/s", "preemptions", "swap-outs", "recomputed tokens", "GiB to host",
          "GiB to device", "transfer wait s", "TTFT p50 ms", "TTFT p90 ms", "latency p50 s", "latency p90 s"],
         plot={"name": "host_tier_serving", "x": "mode", "y": ["TTFT p50 ms", "TTFT p90 ms"], "kind": "bar",
-              "ylabel": "time to first token, ms (modelled)", "xlabel": "preemption mode and block layout",
-              "annotate": "latency p90 s", "annotate_format": "latency p90 {} s",
+              "logy": True, "ymin": 1, "annotate_values": True,
+              "ylabel": "time to first token, ms (modelled, log scale)", "xlabel": "preemption mode and block layout",
               "legend": {"TTFT p50 ms": "TTFT p50", "TTFT p90 ms": "TTFT p90"},
-              "title": f"Modelled TTFT serving {len(reqs):,} Azure conversation requests under memory "
-                       f"pressure ({blocks:,} blocks of {bs}): recompute, offload, swap"},
+              "title": f"Modelled TTFT, {len(reqs):,} Azure conversation requests on {blocks:,} blocks of {bs}"},
     )
     data = {}
     clipped = 0
@@ -513,11 +492,11 @@ def _serve_table(opts: ReportOptions, path: Path, cost: CostModel) -> tuple[Tabl
         "the device pool, write-back. Offload: recompute preemption, a readmitted victim loads what "
         "the device offloaded (the trace has no shared content, so nothing else hits). Swap: the "
         "victim's private blocks go to the host and come back before new admissions; a victim "
-        "admitted in the same step is recomputed. Swap only: the same with host_write_policy "
-        "'none' (vLLM v0's swap space): evicted prefixes are forgotten, not offloaded.")
+        "admitted in the same step is recomputed. Swap only: the same with the host tier holding "
+        "swapped sequences alone (vLLM v0's swap space): evicted prefixes are forgotten, not offloaded.")
     t.notes.append(
         "Transfer wait: what steps waited for loads, swap-outs and offloads beyond their compute "
-        f"(pagedkv.sim.tiered's model); link {Link().describe()}. Preemptions differ between "
+        f"(the simulator's transfer model); link {Link().describe()}. Preemptions differ between "
         "modes because transfer time changes when requests arrive relative to memory use. Times "
         "are modelled (the cost model's step times), not measured.")
     return t, data

@@ -1,9 +1,9 @@
 """Report section: hybrid models, what grouping their layers by attention type saves, and how a pool holds the groups.
 
-Owns the "hybrid models" section of ``pagedkv report``: the memory each model saves grouped,
-and how a pool holds the groups. Reads model configs through :mod:`pagedkv.sim.sizing` and replays
-trace lengths through :mod:`pagedkv.sim.page_layout`; the runs on the real grouped manager (a
-serving run, and the hit rule's cost on Mooncake) are :func:`grouped_runs`'.
+Owns the "hybrid models" section of ``pagedkv report``. Reads model configs through
+:mod:`pagedkv.sim.sizing` and replays trace lengths through :mod:`pagedkv.sim.page_layout`; the
+runs on the real grouped manager (a serving run, and the hit rule's cost on Mooncake) are
+:func:`grouped_runs`'.
 
 gpt-oss, Gemma 3, Command R7B and Llama 4 Scout give most of their layers a sliding window or a
 local chunk. A uniform allocator keeps every layer's K/V for the whole context; grouped, each
@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..sim import page_layout as pl
-from ..sim.sizing import GIB, attention_groups, estimate_weight_bytes, get_model, kv_budget_bytes, request_kv_bytes
+from ..sim.sizing import GIB, attention_groups, get_model, request_kv_bytes
 from ..sim.traces import trace_lengths, trace_not_found, trace_path
 from .tables import Section, Table
 from .options import ReportOptions
@@ -73,7 +73,7 @@ def _memory_table(rows) -> Table:
     t.notes += [
         "uniform: every layer keeps every block of the context (today's allocator); grouped: a "
         "sliding-window layer keeps the blocks its last position read, a chunked-local layer those "
-        "of its current chunk, a full layer every block (kv_specs.blocks_held).",
+        "of its current chunk, a full layer every block.",
         "computed from each model's config fields (pagedkv size MODEL shows them); saved % is what "
         "a uniform allocator holds beyond what the model can ever attend to.",
     ]
@@ -81,11 +81,12 @@ def _memory_table(rows) -> Table:
 
 
 def layout_budget() -> int:
-    """The KV budget of the layout replay: what one 80 GiB GPU at utilisation 0.9 leaves Gemma 3
+    """The KV budget of the layout replay: what one H100 (80 GiB at utilisation 0.9) leaves Gemma 3
     27B after its weights (estimated from its config by sizing: 52.9 GiB, so 19.07 GiB of KV).
-    gpt-oss-120b gets the same budget: its MXFP4 expert weights are not what sizing estimates."""
-    weights = estimate_weight_bytes(get_model("Gemma-3-27B"))
-    return kv_budget_bytes(GPU_MEM_GIB, UTIL, weights / GIB)
+    gpt-oss-120b gets the same budget, so the two layouts compare at equal bytes."""
+    from .hybrid_serving import deployment_budget
+
+    return deployment_budget("Gemma-3-27B", "H100")
 
 
 def _layouts(model: str, budget: int, final: np.ndarray) -> list[tuple[pl.Layout, float | None]]:
@@ -144,7 +145,7 @@ def _layout_tables(opts: ReportOptions) -> tuple[list[Table], dict, list[str]]:
         "matched to these requests' demand in hindsight, and the split by layer count. free while "
         "waiting: the budget's share free while the queue's head could not be admitted (stranded, "
         "for separate pools). padding: layer slots of vLLM's last group that hold no layer.",
-        f"KV budget: an {GPU_MEM_GIB} GiB GPU at utilisation {UTIL} less Gemma 3 27B's weights "
+        f"KV budget: one H100 ({GPU_MEM_GIB} GiB) at utilisation {UTIL} less Gemma 3 27B's weights "
         "(estimated from its config); gpt-oss-120b is given the same budget.",
     ]
     return tables, {"budget_bytes": budget, "requests": n, "layouts": data}, []
@@ -171,11 +172,10 @@ def _verdict(model: str, rows: dict) -> str:
 
 
 def grouped_runs(opts: ReportOptions) -> tuple[list[Table], dict, list[str]]:
-    """The section's runs on the real grouped manager: gpt-oss-20b served on a real
-    trace, uniform against grouped (concurrency, throughput, preemptions:
-    :mod:`.hybrid_serving`), and the hit rate under the hybrid rule against full attention at the
-    same memory, with the reuse cliff and the eviction order that removes it
-    (:mod:`.hybrid_hits`). Tables, data and finding sentences; a table left out (a trace
+    """The runs on the real grouped manager: gpt-oss-20b served on a real trace, uniform against
+    grouped (concurrency, throughput, preemptions: :mod:`.hybrid_serving`), and the hit rate under
+    the hybrid rule against full attention at one GPU's KV memory, in both orders of released
+    window blocks (:mod:`.hybrid_hits`). Tables, data and finding sentences; a table left out (a trace
     missing) is absent, never an n/a row."""
     from .hybrid_hits import hit_cost_tables
     from .hybrid_serving import serving_tables

@@ -1,7 +1,8 @@
 """Report tables: gpt-oss-20b served on the Mooncake trace, its KV held uniformly against grouped.
 
-Owns the hybrid section's serving run (called from :func:`pagedkv.report.hybrid.grouped_runs`).
-Imports the simulator (scheduler, cost model, sizing, :mod:`pagedkv.sim.hybrid_serving`) and the
+Owns the serving run (called from :func:`pagedkv.report.hybrid.grouped_runs`) and the one source
+of the hybrid models' weights and of a GPU's KV budget (:func:`weight_bytes`,
+:func:`deployment_budget`). Imports the simulator (scheduler, cost model, sizing, :mod:`pagedkv.sim.hybrid_serving`) and the
 report's tables; knows nothing of the other sections.
 
 The same KV budget of gpt-oss-20b is held two ways by the real manager: uniform (one table, every
@@ -23,13 +24,15 @@ from ..sim.costmodel import CostModel
 from ..sim.hybrid_serving import GROUPED_NAME, UNIFORM_NAME, hybrid_allocators, hybrid_memory
 from ..sim.metrics import compute
 from ..sim.scheduler import simulate
-from ..sim.sizing import GIB, estimate_weight_bytes, get_model, kv_size, request_kv_bytes
+from ..sim.sizing import (GIB, estimate_mxfp4_moe_weight_bytes, estimate_weight_bytes, get_model, kv_budget_bytes,
+                          kv_size, request_kv_bytes)
 from ..sim.traces import trace_not_found, trace_path
 from ..sim.workloads import load_workload
 from .options import ReportOptions
 from .tables import Table
 
-__all__ = ["MODEL", "MAX_LEN", "BUDGET_REQUESTS", "serving_runs", "serving_tables"]
+__all__ = ["MODEL", "MAX_LEN", "BUDGET_REQUESTS", "GPUS", "UTIL", "serving_runs", "serving_tables",
+           "weight_bytes", "deployment_budget"]
 
 MODEL = "gpt-oss-20b"
 MAX_LEN = 32768  # context limit of the run: longer Mooncake prompts are left out
@@ -50,13 +53,33 @@ def _requests(opts: ReportOptions, n: int):
     return [replace(r, arrival=0.0) for r in reqs], (rejected, stopped, len(raw))
 
 
+GPUS = {"H100": 80, "H200": 141}  # GiB of memory of one GPU
+UTIL = 0.9  # vLLM's default gpu_memory_utilization
+
+
+def weight_bytes(model: str) -> int:
+    """The weights the report prices and subtracts for a model: gpt-oss's MXFP4 experts and bf16
+    rest (gpt-oss-20b: 12.8 GiB), or a dense model's estimate (Gemma 3 27B: 52.9 GiB), both
+    computed by sizing from the config."""
+    spec = get_model(model)
+    w = estimate_mxfp4_moe_weight_bytes(spec) if not spec.dense else estimate_weight_bytes(spec)
+    if w is None:
+        raise ValueError(f"model {model!r}: sizing cannot estimate its weights")
+    return w
+
+
+def deployment_budget(model: str, gpu: str) -> int:
+    """KV bytes one GPU leaves the model: memory x 0.9 - weights (gpt-oss-20b on an H100:
+    80 x 0.9 - 12.8 = 59.2 GiB)."""
+    return kv_budget_bytes(GPUS[gpu], UTIL, weight_bytes(model) / GIB)
+
+
 def _cost_model(spec) -> CostModel:
     """H100 defaults; KV bytes per token of every layer (the same pricing for both allocators);
-    weights as sizing's dense estimate of the model (attention, one expert-width MLP per layer,
-    embeddings): sizing does not estimate mixture-of-experts weights, so the experts a batch
-    reads beyond one per layer are not priced."""
-    weights = estimate_weight_bytes(replace(spec, dense=True))
-    return CostModel(kv_bytes_per_token=kv_size(spec).bytes_per_token, weight_bytes=weights, model=spec.name)
+    weights from :func:`weight_bytes`, every expert priced as read each step (a batch of a few
+    tokens, each routed to 4 of gpt-oss-20b's 32 experts, touches most of them)."""
+    return CostModel(kv_bytes_per_token=kv_size(spec).bytes_per_token, weight_bytes=weight_bytes(spec.name),
+                     model=spec.name)
 
 
 def serving_runs(opts: ReportOptions) -> dict:
@@ -90,7 +113,8 @@ def serving_runs(opts: ReportOptions) -> dict:
                                    "dropped": m.dropped, "makespan_s": m.makespan_s}
     return {"model": MODEL, "requests": len(reqs), "trace_requests": raw, "rejected": rejected,
             "stopped": stopped, "mean_final_tokens": mean_final, "uniform_request_bytes": per_request,
-            "budgets": budgets, "runs": runs, "cost_model": cost.describe()}
+            "budgets": budgets, "runs": runs, "cost_model": cost.describe(),
+            "weights_gib": cost.weight_bytes / GIB}
 
 
 def serving_tables(opts: ReportOptions) -> tuple[list[Table], dict, list[str]]:
@@ -122,8 +146,9 @@ def serving_tables(opts: ReportOptions) -> tuple[list[Table], dict, list[str]]:
         f"{data['requests']:,} requests served (of the first {data['trace_requests']:,}: {data['rejected']:,} with "
         f"a prompt of {MAX_LEN:,} tokens or more left out, {data['stopped']:,} stopped at {MAX_LEN:,}), all "
         "waiting at t = 0 (saturated); vLLM v1's scheduler guards; recompute preemption; prefix caching on.",
-        f"modelled: tokens/s from the bandwidth cost model ({data['cost_model']}), priced alike for both "
-        "(every layer read over the whole context); weights are sizing's dense estimate (one expert-width "
-        "MLP per layer): gpt-oss's other experts are not priced, so absolute tokens/s are high.",
+        f"modelled: tokens/s from the bandwidth cost model of an H100 ({data['cost_model']}), priced alike "
+        f"for both (every layer read over the whole context); weights {data['weights_gib']:.1f} GiB: "
+        "the MXFP4 experts (4.25 bits a weight) and bf16 rest, computed from the config, all read each "
+        "step (pass the same to pagedkv simulate --weights-gib).",
     ]
     return [t], data, []

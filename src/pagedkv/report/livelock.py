@@ -42,7 +42,7 @@ KEY, HEADING = "livelock", "Where the scheduler livelocks"
 WATERMARKS = (0.02, 0.05, 0.10)
 PR_44594 = {"off": 1065, 0.02: 400, 0.05: 187, 0.10: 168}  # their preemptions, for comparison
 LABELS = {"newest_first": "newest first", "no_admit_after_preempt": "hold admissions",
-          "fit_check": "fit check", "skip_unfreeing": "skip unfreeing", "watermark": "watermark 5%"}
+          "fit_check": "fit check", "skip_unfreeing": "skip victims freeing nothing", "watermark": "watermark 5%"}
 
 
 def _req(rid: str, key: int, prompt: int, output: int, arrival: float = 0.0, n: int = 1) -> Request:
@@ -130,7 +130,8 @@ def _outcome(res: SimResult | str) -> str:
         return "refused at start-up"
     if not res.completed:
         return f"livelock, {res.finished}/{res.num_requests} done"
-    dropped = f", dropped {', '.join(res.dropped_ids)}" if res.dropped_ids else ""
+    n = len(res.dropped_ids)
+    dropped = f", {n} request{'s' if n > 1 else ''} dropped (could never fit)" if n else ""
     return f"completed{dropped}"
 
 
@@ -213,7 +214,7 @@ def _modes_table(opts: ReportOptions, cost: CostModel) -> tuple[Table, dict, lis
     table = Table(
         title="(b)-(d) failure modes on constructed workloads, each with its guard off and on "
               "(other guards at vLLM v1's defaults)",
-        columns=["case", "guard", "iterations", "preemptions", "futile", "most of one",
+        columns=["case", "guard", "iterations", "preemptions", "victims freeing nothing", "most of one",
                  "recomputed tokens", "discarded tokens", "outcome"],
     )
     data, refusals = {}, []
@@ -226,7 +227,7 @@ def _modes_table(opts: ReportOptions, cost: CostModel) -> tuple[Table, dict, lis
                       res.recomputed_tokens, res.discarded_tokens, _outcome(res))
         data[f"{case} | {guard}"] = _outcome(res)
     table.notes.append(
-        "futile: victims that freed no block (every block shared); discarded: generated tokens "
+        "victims freeing nothing: preempted requests whose blocks were all shared, so no block came free; discarded: generated tokens "
         "thrown away by restarting a multi-sample group; a livelock is cut after twice the "
         "longest output plus 64 iterations without progress (no request finished, was dropped, "
         "was first admitted or got further than ever).")
@@ -240,7 +241,8 @@ def _modes_table(opts: ReportOptions, cost: CostModel) -> tuple[Table, dict, lis
 def _ablation(opts: ReportOptions) -> list[tuple[str, Guards]]:
     rows = [("all on", Guards.all_on()), ("all off", Guards.all_off())]
     rows += [(f"all on but {LABELS[g]}", Guards.all_on().switched(g, False)) for g in GUARD_NAMES]
-    rows += [(f"only {LABELS[g]}", Guards.all_off().switched(g, True)) for g in GUARD_NAMES]
+    if not opts.quick:  # each guard alone: the slow rows (most livelock), left out of --quick
+        rows += [(f"only {LABELS[g]}", Guards.all_off().switched(g, True)) for g in GUARD_NAMES]
     return rows
 
 
@@ -252,7 +254,7 @@ def _ablation_table(opts: ReportOptions, cost: CostModel) -> tuple[Table, dict]:
     table = Table(
         title=f"every guard on and off: {len(reqs)} requests (mixed workload, seed {opts.seed}) "
               f"on {blocks:,} blocks of {bs}",
-        columns=["guards", "preemptions", "futile", "recomputed tokens", "discarded tokens",
+        columns=["guards", "preemptions", "victims freeing nothing", "recomputed tokens", "discarded tokens",
                  "latency p50 s", "latency p90 s", "latency p99 s", "TTFT p99 s", "finished", "outcome"],
         plot={"name": "livelock_guards", "x": "guards", "y": ["preemptions"], "kind": "bar",
               "ylabel": "preemptions over the run (count)", "annotate": "finished",
@@ -276,7 +278,7 @@ def _ablation_table(opts: ReportOptions, cost: CostModel) -> tuple[Table, dict]:
                        "completed": res.completed, "iterations": res.iterations}
     split = sum("/" in r.req_id for r in reqs)
     table.notes.append(
-        f"Mixed workload (mixed_workload): {sum(r.req_id.startswith('s') for r in reqs)} single requests, "
+        f"Mixed workload: {sum(r.req_id.startswith('s') for r in reqs)} single requests, "
         f"{split // 8} parallel-sampling requests of 8 split into {split} requests, "
         f"{sum(r.req_id.startswith('k') for r in reqs)} groups of 4 samples, all at t = 0, prompts 20-119 "
         f"and outputs 50-249 tokens, plus one 8-sample group of 200 + {slots // 6} tokens that fits one "
@@ -285,9 +287,9 @@ def _ablation_table(opts: ReportOptions, cost: CostModel) -> tuple[Table, dict]:
     table.notes.append(
         "Guards: newest first (preempt the most recently admitted request), hold admissions (a step "
         "that preempted admits no waiting request), fit check (refuse at start-up a request the "
-        "whole cache cannot hold), skip unfreeing (pass over a victim whose blocks are all shared, "
+        "whole cache cannot hold), skip victims freeing nothing (pass over a victim whose blocks are all shared, "
         "as freeing it frees nothing) and a watermark (admit only while 5% of blocks stay free). "
-        "Newest first, hold admissions and fit check are vLLM v1's defaults; skip unfreeing and the "
+        "Newest first, hold admissions and fit check are vLLM v1's defaults; skipping victims that free nothing and the "
         "watermark are off in vLLM v1 (v0 kept a 1% watermark).")
     return table, data
 
@@ -296,13 +298,15 @@ def _ablation_summary(data: dict) -> str:
     """One sentence on what each guard did in the ablation, read from its rows."""
     on = data["all on"]
     locked = [LABELS[g] for g in GUARD_NAMES if not data[f"all on but {LABELS[g]}"]["completed"]]
-    alone = [LABELS[g] for g in GUARD_NAMES if data[f"only {LABELS[g]}"]["completed"]]
+    alone = [LABELS[g] for g in GUARD_NAMES if data.get(f"only {LABELS[g]}", {}).get("completed")]
+    tried = any(f"only {LABELS[g]}" in data for g in GUARD_NAMES)
     more = [f"{LABELS[g]} {on['preemptions']} -> {data[f'all on but {LABELS[g]}']['preemptions']}"
             for g in GUARD_NAMES if data[f"all on but {LABELS[g]}"]["completed"]]
     return (f"All on: {'completed' if on['completed'] else 'livelock'}, {on['preemptions']} preemptions. "
             f"Turning off {' or '.join(locked) or 'no single guard'} livelocks the run; preemptions with "
             f"one guard off ({', '.join(more)}); "
-            f"{'no guard alone completes it' if not alone else 'alone, ' + ' or '.join(alone) + ' completes it'}.")
+            + (f"{'no guard alone completes it' if not alone else 'alone, ' + ' or '.join(alone) + ' completes it'}."
+               if tried else "each guard alone: in the full report."))
 
 
 def section(opts: ReportOptions) -> Section:

@@ -14,7 +14,9 @@ class ReportOptions:
     honesty, not its final digits). ``model`` names the model whose KV bytes per token are used to
     turn blocks into bytes (see ``pagedkv size --list``). ``trace`` replays a real trace file in the
     sections that take one; ``data_dir`` is where the public traces are looked for (default: the
-    copies shipped with pagedkv, or ``$PAGEDKV_DATA``). ``progress``, when given, receives one
+    copies shipped with pagedkv, or ``$PAGEDKV_DATA``). ``nanovllm`` is a checkout of nano-vllm
+whose own scheduler the nanovllm section runs (default: ``$PAGEDKV_NANOVLLM``, an installed
+``nanovllm`` package, else an engine written here with its rules). ``progress``, when given, receives one
     line at each milestone of a long section (the CLI prints them on stderr); it is not an option
     of the results and is left out of report.json.
     """
@@ -25,6 +27,7 @@ class ReportOptions:
     quick: bool = False
     trace: Path | None = None
     data_dir: Path | None = None
+    nanovllm: Path | None = None
     progress: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
 
     def note(self, message: str) -> None:

@@ -38,7 +38,7 @@ never show a number the table does not. The hint (see :class:`~pagedkv.report.ta
 - ``highlight`` (bars): ``{"column": c, "prefix": p, "colour": ..., "label": ..., "other": ...}``,
   bars whose ``c`` starts with ``p`` drawn in ``colour`` and named ``label`` in the legend, the
   others named ``other`` (livelocked runs apart from completed ones);
-- ``logx`` (``logx_base``, default 2; ticks in plain numbers), ``logy``, ``ymin`` (e.g. 0: the axis starts there), ``ymax``, ``ylabel``, ``xlabel``, ``title``
+- ``logx`` (``logx_base``, default 2; ticks at the points' x, in plain numbers), ``logy``, ``ymin`` (e.g. 0: the axis starts there), ``ymax``, ``ylabel``, ``xlabel``, ``title``
   (default: the table's title).
 """
 from __future__ import annotations
@@ -283,9 +283,28 @@ def _draw_lines(ax, table: Table, hint: dict, x: list) -> dict:
     if hint.get("logx"):
         from matplotlib.ticker import FuncFormatter
 
+        from matplotlib.ticker import FixedLocator, NullLocator
+
         ax.set_xscale("log", base=hint.get("logx_base", 2))
+        points = sorted({float(v) for v in x if isinstance(v, (int, float)) and v > 0})
+        if points:  # ticks where the points are (250, 500, 1,000), not at powers of the base
+            ax.xaxis.set_major_locator(FixedLocator(points))
+            ax.xaxis.set_minor_locator(NullLocator())
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,g}"))  # 1,024, not 2^10
     return extra
+
+
+def _title(text: str, width: int = 95) -> str:
+    """A title on one line, or broken at a phrase (after a colon, a comma or before a parenthesis)
+    rather than mid-phrase when it is too long."""
+    if len(text) <= width:
+        return text
+    for stop in (r"[:;] ", r", ", r"(?= \()"):  # a colon first, then a comma, then a parenthesis
+        cuts = [m.end() for m in re.finditer(stop, text) if 20 <= m.end() <= width]
+        if cuts:
+            head, tail = text[:cuts[-1]].rstrip(), text[cuts[-1]:].strip()
+            return head + "\n" + _title(tail, width)
+    return "\n".join(textwrap.wrap(text, width))
 
 
 def plot_table(table: Table, out_dir: Path) -> Path | None:
@@ -315,14 +334,17 @@ def plot_table(table: Table, out_dir: Path) -> Path | None:
             if vals:
                 ax.axhline(vals[0], color="black", linestyle="--", linewidth=1, label=f"{label} ({vals[0]:.1f})")
     if hint.get("logy"):
+        from matplotlib.ticker import FuncFormatter
+
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,g}"))  # 100, not 10^2
     if hint.get("ymin") is not None:
         ax.set_ylim(bottom=hint["ymin"])
     if hint.get("ymax") is not None:
         ax.set_ylim(top=hint["ymax"])
     ax.set_xlabel(hint.get("xlabel", hint["x"]))
     ax.set_ylabel(hint.get("ylabel", ""))
-    ax.set_title("\n".join(textwrap.wrap(hint.get("title", table.title), 95)), fontsize=9)
+    ax.set_title(_title(hint.get("title", table.title)), fontsize=9)
     ax.grid(alpha=0.3, zorder=0)
     outside = kind == "stacked" or bool(hint.get("legend_outside"))
     handles, labels = ax.get_legend_handles_labels()

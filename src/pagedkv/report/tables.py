@@ -208,11 +208,18 @@ class Section:
     tables: list[Table] = field(default_factory=list)
     text: list[str] = field(default_factory=list)  # preformatted blocks (worked examples)
     data: dict[str, Any] = field(default_factory=dict)  # headline numbers for JSON and tests
+    setup: str = ""  # the model and GPU the section uses: "OPT-13B on an A100-40GB"
+
+    def setup_line(self) -> str:
+        """The one line naming the section's model and GPU (empty when it names none)."""
+        return f"Model and GPU: {self.setup}." if self.setup else ""
 
     def to_text(self, width: int = TEXT_WIDTH) -> str:
         """The section as terminal text no line of which is wider than ``width``."""
         heading = plain(self.heading)
         out = [f"{heading}\n{'=' * min(len(heading), width)}"]
+        if self.setup:
+            out.append("\n".join(_wrap(self.setup_line(), width)))
         if self.intro:
             out.append("\n".join(_wrap(plain(self.intro), width)))
         out += ["\n".join(_wrap_block(plain(t), width)) for t in self.text]
@@ -224,6 +231,8 @@ class Section:
         text blocks are paragraphs, wrapped; a several-line block (a worked example) stays a
         code block, its long lines wrapped under their own indentation."""
         out = [f"## {_markdown(self.heading)}"]
+        if self.setup:
+            out.append("\n".join(_wrap(f"*{self.setup_line()}*", TEXT_WIDTH)))
         if self.intro:
             out.append("\n".join(_wrap(_markdown(self.intro), TEXT_WIDTH)))
         for t in self.text:
@@ -238,6 +247,7 @@ class Section:
         return {
             "key": self.key,
             "heading": plain(self.heading),
+            "setup": self.setup,
             "intro": plain(self.intro),
             "text": [plain(t) for t in self.text],
             "data": self.data,

@@ -293,7 +293,13 @@ class ReservationAllocator(KVAllocator):
 
     ``exact=True`` (not the paper's model; an extra for comparison) holds exactly the reservation
     and gives the rest of the power-of-two block back to the free lists at once.
+
+    A reservation never runs out mid-request, so a decode-only stretch needs no memory check:
+    ``max_steps`` allows every step up to the first sequence's final length and ``step_n`` adds
+    ``n`` tokens to each (``Server(coalesce=True)`` runs such a stretch in one call).
     """
+
+    coalesces = True  # max_steps and step_n below
 
     def __init__(self, capacity: int, policy: str, max_len: int = 2048, exact: bool = False) -> None:
         if policy not in ("max", "pow2", "oracle"):
@@ -377,6 +383,26 @@ class ReservationAllocator(KVAllocator):
         self._tokens += n
         self._reserved -= n
         return n
+
+    def max_steps(self, req_ids: Sequence[str], limit: int) -> int:
+        """``limit``, or fewer when a sequence reaches its final length first: the reservation
+        holds every slot those steps write. Two requests 5 and 9 tokens from their end, limit 7: 5."""
+        return max(0, min([limit] + [self._reqs[i].final - self._reqs[i].length for i in req_ids]))
+
+    def step_n(self, req_ids: Sequence[str], n: int) -> int:
+        """``n`` decode steps of ``req_ids`` at once; ValueError, with nothing changed, when one
+        would pass its final length. Returns the tokens appended."""
+        n = int_at_least("n", n, 0)
+        reqs = [self._reqs[i] for i in req_ids]
+        if any(r.length + n > r.final for r in reqs):
+            raise ValueError(f"{n} steps would take a request past its final length")
+        tokens = 0
+        for r in reqs:
+            r.length += n
+            tokens += n * len(r.offsets)
+        self._tokens += tokens
+        self._reserved -= tokens
+        return tokens
 
     def release(self, req_id: str) -> None:
         r = self._reqs.pop(req_id)

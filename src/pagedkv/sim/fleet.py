@@ -87,14 +87,18 @@ class ReplicaAllocator(ManagerAllocator):
     not fit raises ``OutOfBlocks`` having changed nothing. ``max_steps`` / ``step_n`` run many
     steps at once for :class:`~pagedkv.sim.scheduler.Server`'s coalesced stretches.
     ``enable_events`` turns on the manager's KV events (a precise router needs them).
+    ``groups`` (attention specs, a hybrid model's) gives each sequence one table per group; a
+    decode step then counts a new block in every group for each sequence at a block boundary
+    (a sliding window may free one as it moves, which the count ignores: it can only
+    overestimate, so a step that passes the check never runs out halfway).
     """
 
     coalesces = True  # max_steps and step_n below
 
     def __init__(self, num_blocks: int, block_size: int = 16, *, hash_algo: str = "sha256",
-                 enable_events: bool = False, watermark: float = 0.01) -> None:
+                 enable_events: bool = False, watermark: float = 0.01, groups=None) -> None:
         super().__init__(num_blocks, block_size, name="paged", watermark=watermark, hash_algo=hash_algo,
-                         enable_events=enable_events)
+                         enable_events=enable_events, groups=groups)
         self._seqs: dict[str, list] = {}  # req_id -> [tokens now, prompt length, output tokens]
 
     def admit(self, req: Request, generated: int = 0) -> bool:
@@ -120,13 +124,13 @@ class ReplicaAllocator(ManagerAllocator):
         return True
 
     def _fresh_blocks(self, req_ids: Sequence[str], n: int) -> int:
-        """Blocks that ``n`` more tokens on each of ``req_ids`` take."""
+        """Blocks that ``n`` more tokens on each of ``req_ids`` take (in every attention group)."""
         bs, seqs = self.block_size, self._seqs
-        return sum(-(-(seqs[r][0] + n) // bs) - -(-seqs[r][0] // bs) for r in req_ids)
+        return self.num_groups * sum(-(-(seqs[r][0] + n) // bs) - -(-seqs[r][0] // bs) for r in req_ids)
 
     def step(self, req_ids: Sequence[str]) -> int:
         bs, seqs, m = self.block_size, self._seqs, self.m
-        need = sum(1 for r in req_ids if seqs[r][0] % bs == 0)
+        need = self.num_groups * sum(1 for r in req_ids if seqs[r][0] % bs == 0)
         free = m.num_free_blocks
         if need > free:
             raise OutOfBlocks(need, free, "a decode step")
@@ -193,10 +197,12 @@ class Replica:
 
     def __init__(self, name: str, num_blocks: int, block_size: int, cost: CostModel, *,
                  hash_algo: str = "sha256", events: bool = False, max_len: int = 2048,
-                 max_num_seqs: int = 256, guards: Guards | None = None, wire: bool = True) -> None:
+                 max_num_seqs: int = 256, guards: Guards | None = None, wire: bool = True,
+                 groups=None) -> None:
         self.name = name
         self.wire = wire
-        self.alloc = ReplicaAllocator(num_blocks, block_size, hash_algo=hash_algo, enable_events=events)
+        self.alloc = ReplicaAllocator(num_blocks, block_size, hash_algo=hash_algo, enable_events=events,
+                                      groups=groups)
         self.server = Server(self.alloc, cost, max_len=max_len, max_num_seqs=max_num_seqs, guards=guards,
                              record_steps=False, coalesce=True)
         self.events = events
@@ -318,17 +324,20 @@ def run_fleet(requests: Sequence[Request], router: Router, replicas: int, num_bl
               key_tokens: int = DEFAULT_KEY_TOKENS, advance_order: Sequence[int] | None = None,
               progress: Callable[[int, int], None] | None = None,
               observer: Callable[[int, list[Replica], Router], None] | None = None,
-              wire: bool | None = None) -> FleetResult:
+              wire: bool | None = None, groups=None) -> FleetResult:
     """Serve ``requests`` on ``replicas`` replicas of ``num_blocks`` blocks each behind ``router``.
 
     ``wire``: a router that reads KV events gets them as vLLM wire bytes (True; needs msgspec)
     or as the managers' event objects (False; same routing, no bytes); None, the default, means
     the wire when msgspec is installed. ``FleetResult.event_bytes`` is 0 without the wire.
+    ``groups``: the attention specs of a hybrid model; every replica keeps one table per group
+    (``num_blocks`` are then blocks of one group's layers), and a precise router should be given
+    the same groups so that it matches prefixes by the managers' hit rule.
 
     ``key_tokens`` defines "the same prefix" for :meth:`FleetResult.replicas_per_prefix`.
     ``advance_order`` is the order in which replicas are advanced and drained at each arrival
     (default 0..n-1; any permutation gives the same result). ``progress(done, total)`` is called
-    every 1,000 requests. ``observer(i, replicas, router)`` sees the fleet just before request
+    after each request is routed (a progress bar throttles its own redraws). ``observer(i, replicas, router)`` sees the fleet just before request
     ``i`` (arrival order) is routed, the replicas advanced and their events delivered, and once
     more with ``i = len(requests)`` after the last replica drained (a test's window on both
     sides of the wire). Raises ``ValueError`` for bad arguments and
@@ -352,7 +361,8 @@ def run_fleet(requests: Sequence[Request], router: Router, replicas: int, num_bl
         raise ImportError('KV events on the wire need msgspec (the "events" extra): pip install "pagedkv[events]"')
     cost = cost or CostModel()
     fleet = [Replica(name, num_blocks, block_size, cost, hash_algo=hash_algo, events=router.wants_events,
-                     max_len=max_len, max_num_seqs=max_num_seqs, guards=guards, wire=wire) for name in names]
+                     max_len=max_len, max_num_seqs=max_num_seqs, guards=guards, wire=wire, groups=groups)
+             for name in names]
     router.bind(names)
     servers = [rep.server for rep in fleet]
     assignment = np.empty(len(reqs), dtype=np.int64)
@@ -380,7 +390,7 @@ def run_fleet(requests: Sequence[Request], router: Router, replicas: int, num_bl
         servers[target].submit(req)
         assignment[i] = target
         keys[i] = prefix_key(req, key_tokens)
-        if progress is not None and (i + 1) % 1000 == 0:
+        if progress is not None:
             progress(i + 1, len(reqs))
     for j in order:
         servers[j].drain()

@@ -69,6 +69,10 @@ class Metrics:
     ``1 - stored_tokens / allocated_slots``, time-weighted. ``sharing_saving`` is blocks saved by
     sharing over the blocks the sequences would need without it (``sum ceil(len / bs)``),
     time-weighted over decode iterations (paged only; 0 for reservations).
+    ``prefix_hit_rate`` (the cache's own count) splits into ``shared_hit_rate``, hits at a
+    request's first admission (blocks other requests left), and ``readmit_hit_rate``, hits at a
+    readmission after a preemption (mostly the request's own blocks): both over the tokens
+    admissions looked up.
     """
 
     allocator: str
@@ -89,6 +93,8 @@ class Metrics:
     sharing_saving: float
     block_table_entries: float  # time-weighted mean over decode iterations (all sequences)
     block_table_bytes_per_seq: float  # int32 entries per running sequence
+    shared_hit_rate: float = 0.0
+    readmit_hit_rate: float = 0.0
 
     @property
     def token_share(self) -> float:
@@ -123,6 +129,7 @@ def compute(result: SimResult, window: str = "saturated") -> Metrics:
     batch = _weighted(s.batch[decode], dt)
     u = result.usage
     span = result.makespan
+    looked = result.looked_up_tokens
     return Metrics(
         allocator=result.allocator,
         window=window,
@@ -142,6 +149,8 @@ def compute(result: SimResult, window: str = "saturated") -> Metrics:
         sharing_saving=saved / logical if logical > 0 else 0.0,
         block_table_entries=entries,
         block_table_bytes_per_seq=4.0 * entries / batch if batch > 0 else 0.0,
+        shared_hit_rate=result.first_hit_tokens / looked if looked else 0.0,
+        readmit_hit_rate=result.readmit_hit_tokens / looked if looked else 0.0,
     )
 
 

@@ -82,20 +82,28 @@ def peak_blocks_array(spec: AttentionSpec, computed, block_size: int) -> np.ndar
 @dataclass(frozen=True)
 class Pool:
     """One pool of equal pages: ``page_bytes`` each, ``num_blocks`` of them, and the block tables
-    a request keeps in it (``tables``: (attention spec, how many tables of that spec))."""
+    a request keeps in it (``tables``: (attention spec, how many tables of that spec)).
+    ``state_blocks``: blocks every request holds whatever its length, once it has a token (the
+    recurrent states of a hybrid's linear-attention or Mamba layers: one per state group)."""
 
     name: str
     page_bytes: int
     num_blocks: int
     tables: tuple[tuple[AttentionSpec, int], ...]
+    state_blocks: int = 0
+
+    def _states(self, context) -> np.ndarray:
+        return self.state_blocks * (np.asarray(context, dtype=np.int64) > 0)
 
     def blocks(self, context, block_size: int) -> np.ndarray:
         """Blocks a request of ``context`` tokens holds in this pool (array in, array out)."""
-        return sum(n * blocks_held_array(a, context, block_size) for a, n in self.tables)
+        return sum((n * blocks_held_array(a, context, block_size) for a, n in self.tables),
+                   self._states(context))
 
     def peak(self, context, block_size: int) -> np.ndarray:
         """The most blocks a request holds in this pool on its way to ``context`` tokens."""
-        return sum(n * peak_blocks_array(a, context, block_size) for a, n in self.tables)
+        return sum((n * peak_blocks_array(a, context, block_size) for a, n in self.tables),
+                   self._states(context))
 
 
 @dataclass(frozen=True)
@@ -228,6 +236,9 @@ class ReplayResult:
     ``free_while_waiting``: the share of the budget that sat free, averaged over the steps in which
     the queue's head could not be admitted (stranded memory under separate pools; what a single
     pool's last partial fit leaves otherwise). ``padding_share``: padding bytes over held bytes.
+    ``last_block_waste``: the share of a full-attention table's token slots left empty in the
+    running requests' last blocks, averaged over every decode step (internal fragmentation:
+    about (block - 1) / 2 slots a request).
     """
 
     layout: str
@@ -239,6 +250,7 @@ class ReplayResult:
     preemptions: int
     free_while_waiting: float
     padding_share: float
+    last_block_waste: float = 0.0
 
 
 def replay(layout: Layout, prompts, outputs, *, max_running: int = 256) -> ReplayResult:
@@ -280,6 +292,7 @@ def replay(layout: Layout, prompts, outputs, *, max_running: int = 256) -> Repla
     page = np.array([pl.page_bytes for pl in pools], dtype=np.int64)
     steps = preemptions = peak_running = 0
     running_sum = waiting_steps = 0.0
+    slots_sum = tokens_sum = 0
     free_sum = held_sum = real_sum = 0.0
     padded = layout.padding_layers > 0
 
@@ -308,6 +321,9 @@ def replay(layout: Layout, prompts, outputs, *, max_running: int = 256) -> Repla
         peak_running = max(peak_running, len(run_ids))
         if padded:
             real_sum += k * layout.real_bytes(ctx)
+        held_tokens = ctx[:, None] + np.arange(k)  # each request's tokens at each of the k steps
+        slots_sum += int((-(-held_tokens // bs) * bs).sum())
+        tokens_sum += int(held_tokens.sum())
         if waiting:
             waiting_steps += k
             free_sum += k * (layout.budget_bytes - held) / layout.budget_bytes
@@ -327,5 +343,6 @@ def replay(layout: Layout, prompts, outputs, *, max_running: int = 256) -> Repla
     padding_share = 1 - real_sum / held_sum if padded and held_sum else 0.0
     return ReplayResult(layout.name, len(p), int((~fits).sum()), steps,
                         running_sum / steps if steps else 0.0, peak_running, preemptions,
-                        free_sum / waiting_steps if waiting_steps else 0.0, padding_share)
+                        free_sum / waiting_steps if waiting_steps else 0.0, padding_share,
+                        1 - tokens_sum / slots_sum if slots_sum else 0.0)
 

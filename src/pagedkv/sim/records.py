@@ -113,6 +113,11 @@ class SimResult:
     ``skipped_victims`` the victims the ``skip_unfreeing`` guard passed over,
     ``recomputed_tokens`` the tokens readmissions prefilled again and ``discarded_tokens`` the
     generated tokens thrown away by restarting a request with several sequences.
+    ``looked_up_tokens`` are the tokens admissions asked the prefix cache for (a prompt, plus
+    what a preempted request had generated); of them ``first_hit_tokens`` hit at a request's
+    first admission (blocks other requests left) and ``readmit_hit_tokens`` at a readmission
+    after a preemption (mostly the request's own blocks). A preempted ShareGPT run with no shared
+    prompts: ``first_hit_tokens`` 0, ``readmit_hit_tokens`` about 12% of ``looked_up_tokens``.
     """
 
     allocator: str
@@ -139,6 +144,9 @@ class SimResult:
     discarded_tokens: int = 0
     dropped_ids: tuple[str, ...] = ()
     requests: RequestLog | None = None
+    looked_up_tokens: int = 0
+    first_hit_tokens: int = 0
+    readmit_hit_tokens: int = 0
 
     @property
     def completed(self) -> bool:

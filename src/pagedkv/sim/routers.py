@@ -535,8 +535,9 @@ class PrefixAwareRouter(Router):
 def make_router(name: str, *, vnodes: int = DEFAULT_VNODES, eps: float = DEFAULT_EPS, seed: int = 0,
                 key_tokens: int = DEFAULT_KEY_TOKENS, block_size: int = 16, hash_algo: str = "sha256",
                 balance_abs: int = SGLANG_BALANCE_ABS, balance_rel: float = SGLANG_BALANCE_REL,
-                cache_threshold: float = SGLANG_CACHE_THRESHOLD) -> Router:
-    """A router by its name in :data:`ROUTERS`, configured by the keywords that apply to it."""
+                cache_threshold: float = SGLANG_CACHE_THRESHOLD, groups=None) -> Router:
+    """A router by its name in :data:`ROUTERS`, configured by the keywords that apply to it
+    (``groups``: the replicas' attention specs, for the precise router's hit rule)."""
     if name == "round-robin":
         return RoundRobin()
     if name == "least-loaded":
@@ -546,5 +547,5 @@ def make_router(name: str, *, vnodes: int = DEFAULT_VNODES, eps: float = DEFAULT
     if name == "ring-bounded":
         return RingRouter(vnodes, eps, seed, key_tokens)
     if name == "precise":
-        return PrefixAwareRouter(block_size, hash_algo, balance_abs, balance_rel, cache_threshold)
+        return PrefixAwareRouter(block_size, hash_algo, balance_abs, balance_rel, cache_threshold, groups=groups)
     raise ValueError(f"unknown router {name!r}; choose from {', '.join(ROUTERS)}")

@@ -125,7 +125,7 @@ def check_fits(requests: Iterable[Request], allocator: KVAllocator, max_len: int
             f"the whole KV cache of {allocator.name} holds {allocator.capacity:,} slots "
             f"({allocator.capacity // bs:,} blocks): it could never run. Give the cache at least "
             f"{blocks:,} blocks or clip requests to max_len <= {allocator.capacity // bs * bs:,} "
-            f"(now {max_len:,}); without the fit check (fit_check=False) it runs into a livelock")
+            f"(now {max_len:,}); without the check that a request fits, it runs into a livelock")
 
 
 def freeable_blocks(allocator: KVAllocator, req_id: str) -> int | None:
@@ -163,6 +163,10 @@ class _Run:
         self.t = 0.0
         self.finished = self.dropped = self.preemptions = 0
         self.futile = self.skipped = self.recomputed = self.discarded = 0
+        # prompt tokens looked up at admissions, and the prefix-cache hits among them: at a
+        # request's first admission (blocks other requests left) and at a readmission after a
+        # preemption (mostly the request's own blocks, still cached)
+        self.looked_up = self.first_hits = self.readmit_hits = 0
         self.output_tokens = self.prompt_tokens = 0
         self.dropped_ids: list[str] = []
         self.stats = {r.req_id: _ReqStat(r.arrival) for r in reqs}
@@ -207,11 +211,14 @@ class _Run:
             self.running_seqs += alloc.num_seqs(req.req_id)
             computed = req.prompt_len + gen - alloc.last_hit_tokens
             prefill += computed
+            self.looked_up += req.prompt_len + gen
             st = self.stats[req.req_id]
             if st.admissions:
                 st.recomputed += computed
                 self.recomputed += computed
+                self.readmit_hits += alloc.last_hit_tokens
             else:
+                self.first_hits += alloc.last_hit_tokens
                 self.progressed = True
             st.admissions += 1
             if gen >= req.output_len:
@@ -640,7 +647,8 @@ class Server:
             copies=alloc.copies, wall_s=wall_s, guards=self.guards, livelock=livelock,
             futile_preemptions=run.futile, skipped_victims=run.skipped, recomputed_tokens=run.recomputed,
             discarded_tokens=run.discarded, dropped_ids=tuple(run.dropped_ids),
-            requests=run.request_log(reqs),
+            requests=run.request_log(reqs), looked_up_tokens=run.looked_up,
+            first_hit_tokens=run.first_hits, readmit_hit_tokens=run.readmit_hits,
         )
 
 

@@ -62,6 +62,7 @@ __all__ = [
     "kv_budget_bytes",
     "fit_blocks",
     "estimate_weight_bytes",
+    "estimate_mxfp4_moe_weight_bytes",
     "layer_attention_from_config",
     "attention_groups",
     "GroupKV",
@@ -69,6 +70,7 @@ __all__ = [
     "request_kv_bytes",
     "EqualPageGroup",
     "equal_page_groups",
+    "uniform_page_group_size",
 ]
 
 GIB = 1 << 30  # bytes in a GiB; the vLLM paper's "GB" (see the module docstring)
@@ -105,7 +107,9 @@ def dtype_bytes(name: str) -> int:
 class ModelSpec:
     """The architecture facts that decide KV size (a subset of a ``config.json``).
 
-    ``kv_lora_rank``/``qk_rope_head_dim`` are set only for MLA models. ``vocab_size``,
+    ``kv_lora_rank``/``qk_rope_head_dim`` are set only for MLA models. ``max_context`` is the
+    longest sequence the model was trained for (``max_position_embeddings``; None when the config
+    does not say): a serving command's default context limit. ``vocab_size``,
     ``intermediate_size`` and ``tie_word_embeddings`` are kept only to estimate the weights of dense
     models (``estimate_weight_bytes``); they do not enter the KV size.
     """
@@ -124,8 +128,10 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     gated_mlp: bool = True
     dense: bool = True
+    num_experts: int = 0  # routed experts per MoE layer (0: a dense model)
     # One attention spec per layer (hybrid models); empty means every layer is full attention.
     layer_attention: tuple = ()
+    max_context: int | None = None
 
     def __post_init__(self) -> None:
         for field_name in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "hidden_size"):
@@ -139,6 +145,8 @@ class ModelSpec:
         if self.is_mla and (self.kv_lora_rank < 1 or self.qk_rope_head_dim < 0):
             raise ValueError(f"{self.name}: kv_lora_rank must be >= 1 and qk_rope_head_dim >= 0")
         dtype_bytes(self.dtype)
+        if self.max_context is not None:
+            int_at_least(f"{self.name}: max_context", self.max_context, 1, expected="a positive int")
         if self.layer_attention:
             if len(self.layer_attention) != self.num_layers:
                 raise ValueError(f"{self.name}: {len(self.layer_attention)} layer attention specs for "
@@ -317,7 +325,10 @@ def spec_from_config(config: Mapping[str, Any] | str | Path, name: str | None = 
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "opt")),
         gated_mlp=model_type not in ("opt", "gpt2", "gptj", "gpt_neox", "falcon", "bloom"),
         dense=not (cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts")),
+        num_experts=int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts") or 0),
         layer_attention=layer_attention_from_config(cfg, num_layers),
+        max_context=(_positive_field(cfg, "max_position_embeddings", cfg["max_position_embeddings"])
+                     if cfg.get("max_position_embeddings") is not None else None),
     )
 
 
@@ -326,55 +337,57 @@ def spec_from_config(config: Mapping[str, Any] | str | Path, name: str | None = 
 _BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
     "Llama-3.1-8B": dict(model_type="llama", num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, hidden_size=4096, intermediate_size=14336,
-                         vocab_size=128256, torch_dtype="bfloat16"),
+                         vocab_size=128256, max_position_embeddings=131072, torch_dtype="bfloat16"),
     "Llama-3.1-70B": dict(model_type="llama", num_hidden_layers=80, num_attention_heads=64,
                           num_key_value_heads=8, hidden_size=8192, intermediate_size=28672,
-                          vocab_size=128256, torch_dtype="bfloat16"),
+                          vocab_size=128256, max_position_embeddings=131072, torch_dtype="bfloat16"),
     "Llama-2-7B": dict(model_type="llama", num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=32, hidden_size=4096, intermediate_size=11008,
-                       vocab_size=32000, torch_dtype="float16"),
+                       vocab_size=32000, max_position_embeddings=4096, torch_dtype="float16"),
     "Mistral-7B": dict(model_type="mistral", num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=8, hidden_size=4096, intermediate_size=14336,
-                       vocab_size=32000, torch_dtype="bfloat16"),
+                       vocab_size=32000, max_position_embeddings=32768, torch_dtype="bfloat16"),
     "Qwen2.5-7B": dict(model_type="qwen2", num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4, hidden_size=3584, intermediate_size=18944,
-                       vocab_size=152064, torch_dtype="bfloat16"),
+                       vocab_size=152064, max_position_embeddings=131072, torch_dtype="bfloat16"),
     "DeepSeek-V3": dict(model_type="deepseek_v3", num_hidden_layers=61, num_attention_heads=128,
                         num_key_value_heads=128, hidden_size=7168, kv_lora_rank=512,
                         q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
                         intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
-                        vocab_size=129280, torch_dtype="bfloat16"),
+                        vocab_size=129280, max_position_embeddings=163840, torch_dtype="bfloat16"),
     "OPT-13B": dict(model_type="opt", num_hidden_layers=40, num_attention_heads=40,
-                    hidden_size=5120, ffn_dim=20480, vocab_size=50272, torch_dtype="float16"),
+                    hidden_size=5120, ffn_dim=20480, vocab_size=50272, max_position_embeddings=2048,
+                    torch_dtype="float16"),
     # Hybrid models: their configs' attention fields, as published with the weights.
     "gpt-oss-20b": dict(model_type="gpt_oss", num_hidden_layers=24, num_attention_heads=64,
                         num_key_value_heads=8, head_dim=64, hidden_size=2880, intermediate_size=2880,
                         num_local_experts=32, sliding_window=128, vocab_size=201088,
-                        torch_dtype="bfloat16"),
+                        max_position_embeddings=131072, torch_dtype="bfloat16"),
     "gpt-oss-120b": dict(model_type="gpt_oss", num_hidden_layers=36, num_attention_heads=64,
                          num_key_value_heads=8, head_dim=64, hidden_size=2880, intermediate_size=2880,
                          num_local_experts=128, sliding_window=128, vocab_size=201088,
-                         torch_dtype="bfloat16"),
+                         max_position_embeddings=131072, torch_dtype="bfloat16"),
     "Gemma-3-4B": dict(model_type="gemma3", torch_dtype="bfloat16", text_config=dict(
         model_type="gemma3_text", num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4,
         head_dim=256, hidden_size=2560, intermediate_size=10240, sliding_window=1024,
-        sliding_window_pattern=6, vocab_size=262208)),
+        sliding_window_pattern=6, max_position_embeddings=131072, vocab_size=262208)),
     "Gemma-3-12B": dict(model_type="gemma3", torch_dtype="bfloat16", text_config=dict(
         model_type="gemma3_text", num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8,
         head_dim=256, hidden_size=3840, intermediate_size=15360, sliding_window=1024,
-        sliding_window_pattern=6, vocab_size=262208)),
+        sliding_window_pattern=6, max_position_embeddings=131072, vocab_size=262208)),
     "Gemma-3-27B": dict(model_type="gemma3", torch_dtype="bfloat16", text_config=dict(
         model_type="gemma3_text", num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
         head_dim=128, hidden_size=5376, intermediate_size=21504, sliding_window=1024,
-        sliding_window_pattern=6, vocab_size=262208)),
+        sliding_window_pattern=6, max_position_embeddings=131072, vocab_size=262208)),
     "Llama-4-Scout": dict(model_type="llama4", torch_dtype="bfloat16", text_config=dict(
         model_type="llama4_text", num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
         head_dim=128, hidden_size=5120, intermediate_size=8192, num_local_experts=16,
-        attention_chunk_size=8192, no_rope_layer_interval=4, vocab_size=202048)),
+        attention_chunk_size=8192, no_rope_layer_interval=4, max_position_embeddings=10485760,
+        vocab_size=202048)),
     "Command-R7B": dict(model_type="cohere2", num_hidden_layers=32, num_attention_heads=32,
                         num_key_value_heads=8, hidden_size=4096, intermediate_size=14336,
                         sliding_window=4096, sliding_window_pattern=4, vocab_size=256000,
-                        torch_dtype="bfloat16"),
+                        max_position_embeddings=131072, torch_dtype="bfloat16"),
 }
 
 
@@ -477,6 +490,32 @@ def estimate_weight_bytes(spec: ModelSpec, *, dtype: str | None = None, tp: int 
     emb = spec.vocab_size * h * (1 if spec.tie_word_embeddings else 2)
     params = spec.num_layers * (attn + mlp) + emb
     return math.ceil(params * dtype_bytes(dtype or spec.dtype) / tp)
+
+
+MXFP4_BITS = 4.25  # a 4-bit weight plus its share of one 8-bit scale per 32 weights
+
+
+def estimate_mxfp4_moe_weight_bytes(spec: ModelSpec) -> int | None:
+    """Weight bytes of a model whose every layer is a mixture of experts stored in MXFP4, the
+    rest (attention, router, embeddings) in the model's dtype: gpt-oss, as published. ``None``
+    for a dense model or one with missing fields.
+
+    Each expert is a gated MLP of ``intermediate_size``; experts are the bulk. gpt-oss-20b: 24
+    layers x 32 experts x 3 x 2,880 x 2,880 = 19.1e9 expert weights at 4.25 bits (10.15e9 bytes),
+    plus 0.64e9 attention, 2.2e6 router and 1.16e9 embedding weights in bf16 (3.59e9 bytes):
+    13.74e9 bytes, 12.8 GiB (its published checkpoint is 13.8 GB).
+    """
+    if not isinstance(spec, ModelSpec):
+        raise ValueError(f"spec must be a ModelSpec, got {type(spec).__name__}")
+    if spec.is_mla or spec.dense or not spec.num_experts or not spec.vocab_size or not spec.intermediate_size:
+        return None
+    h, d = spec.hidden_size, spec.head_dim
+    attn = h * d * (2 * spec.num_attention_heads + 2 * spec.num_kv_heads)
+    experts = spec.num_experts * 3 * h * spec.intermediate_size
+    router = h * spec.num_experts
+    emb = spec.vocab_size * h * (1 if spec.tie_word_embeddings else 2)
+    dense_params = spec.num_layers * (attn + router) + emb
+    return math.ceil(dense_params * dtype_bytes(spec.dtype) + spec.num_layers * experts * MXFP4_BITS / 8)
 
 
 @dataclass(frozen=True)
@@ -605,6 +644,19 @@ class EqualPageGroup:
     padding: int
 
 
+def uniform_page_group_size(layer_counts) -> int:
+    """The layers per KV cache group vLLM builds when every group's page must have the same bytes
+    (``_get_kv_cache_groups_uniform_page_size`` in ``vllm/v1/core/kv_cache_utils.py``): the fewest
+    layers of any type, or the most when the most are under 1.5 times the fewest. Example: Gemma 3
+    27B (52 sliding, 10 full) -> 10; Qwen3-Next (36 gated DeltaNet, 12 full) -> 12; gpt-oss
+    (12, 12) -> 12."""
+    counts = [int_at_least("layer count", n, 1) for n in layer_counts]
+    if not counts:
+        raise ValueError("layer_counts must name at least one layer type")
+    fewest, most = min(counts), max(counts)
+    return most if most < 1.5 * fewest else fewest
+
+
 def equal_page_groups(spec: ModelSpec) -> list[EqualPageGroup]:
     """The KV cache groups vLLM v1 builds for a hybrid model so that every group's page has the
     same bytes (``_get_kv_cache_groups_uniform_page_size``): the group size is the fewest layers
@@ -617,8 +669,7 @@ def equal_page_groups(spec: ModelSpec) -> list[EqualPageGroup]:
     more (vLLM logs "may waste at most 15.38%"). gpt-oss (12 + 12 or 18 + 18) pads nothing.
     """
     types = attention_groups(spec)
-    fewest, most = min(n for _, n in types), max(n for _, n in types)
-    size = most if most < 1.5 * fewest else fewest
+    size = uniform_page_group_size([n for _, n in types])
     out = []
     for attention, n in types:
         groups = -(-n // size)
