@@ -525,3 +525,20 @@ def test_precise_router_keys_on_group_and_hash():
     assert router.match_blocks(prompt)[1] == 0
     # the hybrid rule: the window needs only the blocks covering h-7 .. h-1
     assert router.match_blocks(prompt)[0] * 4 == m.lookup(prompt) == 24
+
+
+def test_a_decode_step_makes_every_release_before_it_takes_a_block():
+    """Twins under a window of 2 (block size 1): b's release frees what a's new block needs, so
+    the step must release first; taking a's block first would evict the cached [7] block."""
+    m = KVCacheManager(8, block_size=1, groups=[SlidingWindow(window=2)])
+    m.add_sequence("a", [1, 2, 3], prefill=0)
+    m.add_sequence("b", [1, 2, 3])
+    m.prefill("a", 3)
+    m.add_sequence("c", [7])
+    m.add_sequence("d", [8])
+    m.free("c")
+    m.free("d")
+    assert m.lookup([7, 0]) == 1
+    m.append_batch(["b", "a"], [9, 9])
+    assert m.lookup([7, 0]) == 1 and m.usage().evictions == 0
+    m.check_invariants()

@@ -5,7 +5,7 @@ measures the design (store, model, simulator, report) sits on top and imports on
 """
 from .types import (AllBlocksCleared, BlockRemoved, BlockStored, CopyOp, OutOfBlocks, PrefixHit,
                     Transfer, Usage)
-from .kv_specs import ChunkedLocalAttention, FullAttention, SlidingWindow
+from .kv_specs import ChunkedLocalAttention, FullAttention, RecurrentState, SlidingWindow
 from .pool import BlockPool
 from .manager import KVCacheManager
 
@@ -23,5 +23,6 @@ __all__ = [
     "FullAttention",
     "SlidingWindow",
     "ChunkedLocalAttention",
+    "RecurrentState",
 ]
 __version__ = "0.1.0"

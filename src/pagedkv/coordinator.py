@@ -48,7 +48,11 @@ class Coordinator:
         self.cache = cache
         self.tier = tier
         # the groups that release blocks (sliding, chunked): (index, spec); none for one full group
-        self.local = tuple((g, spec) for g, spec in enumerate(specs) if not spec.reads_whole_prefix)
+        self.local = tuple((g, spec) for g, spec in enumerate(specs)
+                           if not spec.reads_whole_prefix and not spec.holds_state)
+        # the groups whose tables hold a block per block_size positions (K/V)
+        self.kv = tuple(g for g, spec in enumerate(specs) if not spec.holds_state)
+        self.states = None  # the recurrent-state groups' tables, when any
         self.window_eviction = window_eviction
         self.write_through = False
         # each host block's group (set when a swap or an offload stores it: a host block is in
@@ -177,20 +181,36 @@ class Coordinator:
         self._let_go(order, rc)
         tier = self.tier
         unloaded = tier.drop_released_loads(order, rc) if tier is not None else []
+        if self.states is not None:
+            self.states.forget_pending(order)
         if self.cache is not None and (unloaded or not cache):
             mine = unloaded
             if not cache:
                 gone = set(unloaded)
-                mine = mine + [b for t in tables for b in t[s.written:] if b >= 0 and rc(b) == 1 and b not in gone]
+                mine = mine + [b for b in self._own_blocks(s, tables, rc) if b not in gone]
             if mine:
                 self.unpublish(mine)
                 if self.write_through:
                     tier.forget_published(mine)
         self.pool.release_all(order)
 
+    def _own_blocks(self, s: Seq, tables: list, rc) -> list:
+        """The blocks after the sequence's written prefix that it alone holds."""
+        return [b for t in tables for b in t[s.written:] if b >= 0 and rc(b) == 1]
+
+    def take_copies(self) -> list:
+        return self.cq.take()
+
+    def state_indices(self, ss: Sequence[Seq], g: int) -> tuple[list, list]:
+        raise ValueError(f"group {g} is not a recurrent-state group")
+
+    def draft_check(self) -> None:
+        """ValueError when speculative drafts cannot be taken."""
+
     def _free_order(self, s: Seq, tables: list) -> list:
         """Every live block, tail first: block i of every group before block i - 1."""
-        return [b for i in range(len(tables[0]) - 1, -1, -1) for t in tables for b in (t[i],) if b >= 0]
+        n = max(map(len, tables))
+        return [t[i] for i in range(n - 1, -1, -1) for t in tables if i < len(t) and t[i] >= 0]
 
     def _with_released(self, s: Seq) -> list:
         """The sequence's tables with the full blocks its windows released earlier put back where
@@ -293,34 +313,50 @@ class Coordinator:
         """Fresh blocks and copies one token each for ``ss`` takes (the slow ones): a full last
         block needs a block per group; ``k`` members sharing a partial block held ``r`` times
         copy ``min(k, r - 1)`` times."""
-        bs, rc, ng = self.bs, self.pool.refcount, len(self.specs)
+        bs, rc, kv, states = self.bs, self.pool.refcount, self.kv, self.states
         fresh = 0
         sharers: dict[int, int] = {}
         for s in ss:
             if s.nxt >= 0:
                 continue
-            if len(s.tokens) % bs:
-                for t in s.tables:
-                    b = t[-1]
+            c = len(s.tokens)
+            if c % bs:
+                for g in kv:
+                    b = s.tables[g][-1]
                     if rc(b) > 1:
                         sharers[b] = sharers.get(b, 0) + 1
             else:
-                fresh += ng
+                fresh += len(kv)
+            if states is not None:  # a new state entry, or the running one written in place
+                for g, spec in states.groups:
+                    if c % spec.interval == 0:
+                        fresh += 1
+                    elif rc(s.tables[g][-1]) > 1:
+                        b = s.tables[g][-1]
+                        sharers[b] = sharers.get(b, 0) + 1
         return fresh, sum(min(k, rc(b) - 1) for b, k in sharers.items())
 
     def tokens_room(self, s: Seq, k: int, what: str) -> None:
         """Before ``k`` tokens are appended to ``s``: capacity (counting what its due releases
-        free), then those releases."""
-        n, bs = len(s.tokens), self.bs
+        free), then those releases (and the state groups' entries for the call)."""
+        n, bs, specs, states = len(s.tokens), self.bs, self.specs, self.states
         due = self._due(s)
-        fresh = sum(spec.new_blocks(n, n + k, bs) for spec in self.specs)
+        fresh = sum(specs[g].new_blocks(n, n + k, bs) for g in self.kv)
         rc = self.pool.refcount
-        copies = sum(1 for t in s.tables if rc(t[-1]) > 1) if n % bs else 0
-        if fresh or copies or due:
-            self.cq.check_room(fresh, copies, what, (), self._gain(((s, due),)) if due else ())
+        copies = sum(1 for g in self.kv if rc(s.tables[g][-1]) > 1) if n % bs else 0
+        gain = self._gain(((s, due),)) if due else []
+        if states is not None:
+            sf, sc = states.needs(s, n, n + k)
+            fresh, copies = fresh + sf, copies + sc
+            gain += self.pool.freed_by({b: 1 for b in states.due(s, n)})
+        if fresh or copies or gain:
+            self.cq.check_room(fresh, copies, what, (), gain)
         if due:
             self._release(s, due)
         s.shared = s.shared or bool(copies)
+        if states is not None:
+            states.release(s, n)
+            states.schedule(s, n, n + k)
 
     def check_live(self, s: Seq, g: int, start: int, stop: int, seq_id: Hashable) -> None:
         bs = self.bs

@@ -36,6 +36,7 @@ from .pending_events import EventLog
 from .pool import BlockPool
 from .prefix_cache import PrefixCache
 from .sequence import Seq
+from .state_groups import StateGroups
 from .types import TO_HOST, OutOfBlocks, PrefixHit, Transfer
 
 __all__ = ["HybridCoordinator"]
@@ -49,6 +50,9 @@ class HybridCoordinator(Coordinator):
     def __init__(self, pool: BlockPool, cq: CopyQueue, hasher: BlockHasher, root: Hashable, block_size: int,
                  specs: tuple, caching: bool, events: bool, host_blocks: int, policy: str,
                  window_eviction: str) -> None:
+        if host_blocks and any(spec.holds_state for spec in specs):
+            raise ValueError("host_blocks with a RecurrentState group is not supported yet: swaps and host "
+                             "hits of state blocks are not built; use host_blocks=0")
         log = EventLog(events and caching, specs, keyed=True)
         hosted = bool(host_blocks) and caching and policy != "none"
         cache = PrefixCache(pool, log, "GPU", keep_content=hosted, track_twins=True) if caching else None
@@ -64,6 +68,9 @@ class HybridCoordinator(Coordinator):
         self.ng = len(specs)
         self.kept = [spec.kept_blocks(block_size) for spec in specs]
         self.full0 = next((g for g, s in enumerate(specs) if s.reads_whole_prefix), None)
+        held = tuple((g, spec) for g, spec in enumerate(specs) if spec.holds_state)
+        self.states = StateGroups(self, held) if held else None
+        self.nkv = len(self.kv)
 
     def key(self, g: int, h: Hashable) -> tuple:
         return (g, h)
@@ -92,9 +99,10 @@ class HybridCoordinator(Coordinator):
             group[hb] = k[0]
 
     def _deal(self, new: list, counts: list) -> list:
-        """``new`` blocks dealt round-robin to the groups, ``counts[g]`` each."""
+        """``new`` blocks dealt round-robin to the K/V groups, ``counts[i]`` each."""
         if len(set(counts)) == 1:
-            return [new[g :: self.ng] for g in range(self.ng)]
+            n = len(counts)
+            return [new[i::n] for i in range(n)]
         out: list = [[] for _ in counts]
         it = iter(new)
         for i in range(max(counts)):
@@ -139,15 +147,14 @@ class HybridCoordinator(Coordinator):
                 while i < k and get(g, i) is not None:
                     i += 1
                 k = i
+        shortening = self.local + (self.states.groups if self.states is not None else ())
         stable = False
         while not stable:
             stable = True
-            for g, spec in self.local:
-                for i in reversed(spec.hit_blocks(k * bs, bs)):
-                    if get(g, i) is None:
-                        k, stable = i, False
-                        break
-                if not stable:
+            for g, spec in shortening:
+                shorter = spec.shorten_hit(k, bs, lambda i, g=g: get(g, i))
+                if shorter != k:
+                    k, stable = shorter, False
                     break
         return k, [[get(g, i) for i in spec.hit_blocks(k * bs, bs)] for g, spec in enumerate(self.specs)]
 
@@ -199,14 +206,16 @@ class HybridCoordinator(Coordinator):
                     rows[g].append(-1 if on_host else b)
         hit = k * bs
         computed = n if prefill is None else hit + min(prefill, n - hit)
-        counts = [spec.new_blocks(hit, computed, bs) for spec in specs]
+        counts = [specs[g].new_blocks(hit, computed, bs) for g in self.kv]
         fresh = sum(counts)
+        # the first call writes a new state entry (taken by the state groups after this)
+        state_fresh = len(self.states.groups) if self.states is not None and computed > hit else 0
         acquire = [b for b in chain.from_iterable(rows) if b >= 0]
         what = f"admitting {seq_id!r}"
         j = len(loads)
         if loads:
             try:
-                self.cq.check_room(fresh, j, what, acquire)
+                self.cq.check_room(fresh + state_fresh, j, what, acquire)
             except OutOfBlocks as e:
                 # the j load destinations are the hit's fixed cost: needed and available count
                 # the chunk's blocks only, so that a caller sizing the chunk from ``available``
@@ -218,6 +227,8 @@ class HybridCoordinator(Coordinator):
             dst, new = self.cq.allocate(fresh, j, acquire)
             self.tier.load_hits([hb for _, _, hb in loads], dst, split.host)
         else:
+            if state_fresh:
+                self.cq.check_room(fresh + state_fresh, 0, what, acquire)
             new = self.cq.fresh(fresh, "admitting", seq_id, acquire)
         tables = []
         for spec, row in zip(specs, rows):
@@ -227,10 +238,14 @@ class HybridCoordinator(Coordinator):
             tables.append(table)
         for (g, i, _), d in zip(loads, dst if loads else ()):
             tables[g][i] = d
-        for table, mine in zip(tables, self._deal(new, counts)):
-            table += mine
-        low = [spec.released_below(hit, bs) for spec in specs]
+        for g, mine in zip(self.kv, self._deal(new, counts)):
+            tables[g] += mine
+        low = [spec.released_below(hit, bs) if not spec.holds_state else 0 for spec in specs]
+        if self.states is not None:
+            self.states.admit(tables, k, rows)
         s = Seq(tables, low, tokens, hashes, keys, unscheduled=n - computed, written=k)
+        if self.states is not None and computed > hit:
+            self.states.schedule(s, hit, computed)
         if cache is not None:
             for g, i, _ in loads:
                 self.publish_loaded(s, g, i, s.tables[g][i])
@@ -242,18 +257,27 @@ class HybridCoordinator(Coordinator):
 
     def prefill(self, s: Seq, start: int, stop: int, seq_id: Hashable) -> None:
         """The releases due, then every group's blocks for positions ``start .. stop - 1``."""
-        bs = self.bs
-        counts = [spec.new_blocks(start, stop, bs) for spec in self.specs]
+        bs, states = self.bs, self.states
+        counts = [self.specs[g].new_blocks(start, stop, bs) for g in self.kv]
         due = self._due(s)
-        fresh = sum(counts)
-        if fresh or due:
-            gain = self._gain(((s, due),)) if due else ()
-            self.cq.check_room(fresh, 0, f"prefilling {seq_id!r}", (), gain)
-            if due:
-                self._release(s, due)
-            if fresh:
-                for t, mine in zip(s.tables, self._deal(self.cq.allocate(fresh, 0)[1], counts)):
-                    t += mine
+        fresh, copies = sum(counts), 0
+        gain = self._gain(((s, due),)) if due else []
+        if states is not None:
+            sf, copies = states.needs(s, start, stop)
+            fresh += sf
+            gain += self.pool.freed_by({b: 1 for b in states.due(s, start)})
+        if fresh or copies or gain:
+            self.cq.check_room(fresh, copies, f"prefilling {seq_id!r}", (), gain)
+        if due:
+            self._release(s, due)
+        if states is not None:
+            states.release(s, start)
+        kv_fresh = sum(counts)
+        if kv_fresh:
+            for g, mine in zip(self.kv, self._deal(self.cq.allocate(kv_fresh, 0)[1], counts)):
+                s.tables[g] += mine
+        if states is not None:
+            states.schedule(s, start, stop)
 
     # ---- releases ----------------------------------------------------------------------------
 
@@ -277,6 +301,10 @@ class HybridCoordinator(Coordinator):
             r = spec.next_release(c, bs, end_c)
             if r < end_c:
                 end_c = r
+        if self.states is not None:
+            end_c = min(end_c, self.states.fast_path_end(c))
+            if end_c <= c:
+                return
         s.shared = False
         s.nxt = s.table[-1] * bs + off
         s.end = s.nxt + end_c - c
@@ -284,16 +312,25 @@ class HybridCoordinator(Coordinator):
     def step_room(self, ss: Sequence[Seq], what: str) -> None:
         """Before a decode step of ``ss``: OutOfBlocks (nothing changed) unless one token each
         fits, counting the blocks the due releases free; then every due release, before any
-        block is taken (they may serve the step)."""
+        block is taken, so that they serve the step rather than an eviction of a cached block.
+        (The facade skips this pass when clean blocks cover the step: then no allocation
+        evicts, and the slow path makes each release in turn.)"""
         slow = [s for s in ss if s.nxt < 0]
         if not slow:
             return
         dues = [(s, d) for s in slow for d in (self._due(s),) if d]
         fresh, copies = self._needs(slow)
+        gain = self._gain(dues) if dues else []
+        states = self.states
+        if states is not None:
+            gain += self.pool.freed_by({b: 1 for s in slow for b in states.due(s, len(s.tokens))})
         if fresh or copies:
-            self.cq.check_room(fresh, copies, what, (), self._gain(dues) if dues else ())
+            self.cq.check_room(fresh, copies, what, (), gain)
         for s, d in dues:
             self._release(s, d)
+        if states is not None:
+            for s in slow:
+                states.release(s, len(s.tokens))
 
     def grow(self, s: Seq) -> int:
         """The next token's slot (group 0's) when its group blocks need a decision, with no
@@ -301,22 +338,23 @@ class HybridCoordinator(Coordinator):
         of each shared partial last block. Sets ``end`` to the block's end."""
         bs = self.bs
         off = len(s.tokens) % bs
+        tables = s.tables
         if off:
             if s.shared:
                 rc = self.pool.refcount
-                for g, t in enumerate(s.tables):
-                    b = t[-1]
+                for g in self.kv:
+                    b = tables[g][-1]
                     if rc(b) > 1:
                         self._copy_on_write(s, g, b)
                 s.shared = False
         else:
             if self.cq.sources:
-                for t, b in zip(s.tables, self.cq.allocate(self.ng, 0)[1]):
-                    t.append(b)
+                for g, b in zip(self.kv, self.cq.allocate(self.nkv, 0)[1]):
+                    tables[g].append(b)
             else:
                 one = self.pool.allocate_one
-                for t in s.tables:
-                    t.append(one())
+                for g in self.kv:
+                    tables[g].append(one())
             s.shared = False
         slot = s.table[-1] * bs + off
         s.end = slot - off + bs
@@ -331,13 +369,27 @@ class HybridCoordinator(Coordinator):
         end_c = c - c % bs + bs
         low = s.low
         for g, spec in self.local:
-            r = spec.released_below(c, bs)
-            if r > low[g]:
-                self._release(s, ((g, low[g], r),))
-            nr = spec.next_release(c, bs, end_c)
+            r, nr = spec.release_step(c, bs, end_c)
+            lo = low[g]
+            if r > lo:
+                t = s.tables[g]
+                if r == lo + 1 and t[lo] >= 0 and not self.cq.sources and not self.tier and not (
+                        self.cache is not None and self.cache.has_twins):
+                    b = t[lo]  # one block leaves the window: the common case, inlined
+                    t[lo] = -1
+                    low[g] = r
+                    self.pool.release_all((b,))
+                else:
+                    self._release(s, ((g, lo, r),))
             if nr < end_c:
                 end_c = nr if nr > c else c + 1
+        states = self.states
+        if states is not None:
+            states.release(s, c)
         slot = self.grow(s)
+        if states is not None:
+            states.schedule(s, c, c + 1)
+            end_c = min(end_c, states.fast_path_end(c + 1))
         s.end = slot + end_c - c
         return slot
 
@@ -358,7 +410,7 @@ class HybridCoordinator(Coordinator):
         bs, cache = self.bs, self.cache
         tokens = s.tokens[first * bs : stop * bs]
         bkeys = None if s.keys is None else s.keys.block_keys(first, stop)
-        for g in range(self.ng):
+        for g in self.kv:
             kept = min(self.kept[g], stop)
             runs = ((first, kept), (max(first, s.low[g]), stop)) if first < kept else ((max(first, s.low[g]), stop),)
             for a, b in runs:
@@ -373,9 +425,9 @@ class HybridCoordinator(Coordinator):
 
     def publish_filled(self, filled: Sequence[Seq]) -> None:
         """Each sequence's last block just filled: hash it once, publish it in every group."""
-        groups = range(self.ng)
+        groups = self.kv
         _, hashes, parents, tokens, keys = filled_columns(filled, self.bs, self.hasher.digest, self.root)
-        blocks = [t[-1] for s in filled for t in s.tables]
+        blocks = [s.tables[g][-1] for s in filled for g in groups]
         ghashes = [(g, h) for h in hashes for g in groups]
         self.cache.publish_blocks(blocks, ghashes, [(g, p) for p in parents for g in groups],
                                   [tk for tk in tokens for _ in groups], self.bs,
@@ -405,19 +457,23 @@ class HybridCoordinator(Coordinator):
 
     def rows(self, ss: Sequence[Seq], g: int, unready: bool, live: bool) -> list:
         """Group ``g``'s rows: the whole table (released entries -1), or only its live pages."""
+        if live and self.specs[g].holds_state:
+            raise ValueError(f"group {g} holds recurrent states, not pages: use state_indices")
         if live:
             return [[b for b in s.tables[g] if b >= 0] for s in ss]
         return [s.tables[g] for s in ss]
 
     def usage(self, seqs, group: int | None) -> dict:
-        """Block counts over the groups (or group ``group``'s), each sequence's positions once
-        in ``logical_tokens``, a position once per group holding it in ``stored_tokens``.
-        Example (block size 4, [Full, Sliding(4)], one 10-token sequence after one decode
-        append): group 0 holds 3 blocks and 11 states, group 1 2 blocks and 7."""
-        bs, pool = self.bs, self.pool
+        """Block counts over the groups (or group ``group``'s); token figures over the K/V groups
+        only: each sequence's positions once in ``logical_tokens``, a position once per K/V group
+        holding it in ``stored_tokens`` (a state group's are 0). Example (block size 4, [Full,
+        Sliding(4)], one 10-token sequence after one decode append): group 0 holds 3 blocks and
+        11 states, group 1 2 blocks and 7."""
+        bs, pool, kv = self.bs, self.pool, self.kv
         groups = range(self.ng) if group is None else (group,)
         logical = logical_blocks = 0
         used: set = set()
+        used_kv: set = set()
         partial: dict[int, int] = {}
         for s in seqs:
             c = s.computed
@@ -427,19 +483,52 @@ class HybridCoordinator(Coordinator):
                 live = [b for b in t if b >= 0]
                 used.update(live)
                 logical_blocks += len(live)
-                if c % bs and t[-1] >= 0:
-                    partial[t[-1]] = c % bs
-        stored = len(used) * bs - len(partial) * bs + sum(partial.values())
+                if g in kv:
+                    used_kv.update(live)
+                    if c % bs and t[-1] >= 0:
+                        partial[t[-1]] = c % bs
         nused = len(used) if group is not None else pool.num_used
+        kv_used = nused - (len(used) - len(used_kv))
+        stored = kv_used * bs - len(partial) * bs + sum(partial.values()) if kv_used else 0
         fields = pool.usage_fields()
         if group is not None:
             keyed = pool.keyed_blocks().items() if self.cache is not None else ()
             fields.update(used_blocks=nused,
                           cached_blocks=sum(1 for b, key in keyed if key[0] == group and pool.is_cached(b)))
-        allocated = nused * bs
-        return dict(fields, block_size=bs, logical_tokens=logical, stored_tokens=stored, allocated_slots=allocated,
+        allocated = kv_used * bs
+        return dict(fields, block_size=bs, logical_tokens=logical if kv_used or group is None or group in kv else 0,
+                    stored_tokens=stored, allocated_slots=allocated,
                     internal_fragmentation=1 - stored / allocated if allocated else 0.0,
                     blocks_saved_by_sharing=logical_blocks - nused)
+
+    def take_copies(self) -> list:
+        """The copies to run before this step's writes; the checkpoints the previous calls left
+        become findable now (the step that computes them runs after this drain)."""
+        if self.states is not None:
+            self.states.take_checkpoints()
+        return self.cq.take()
+
+    def check_live(self, s: Seq, g: int, start: int, stop: int, seq_id: Hashable) -> None:
+        if self.specs[g].holds_state:
+            raise ValueError(f"group {g} holds recurrent states, not K/V per position: it has no slots "
+                             f"(use state_indices)")
+        super().check_live(s, g, start, stop, seq_id)
+
+    def state_indices(self, ss: Sequence[Seq], g: int) -> tuple[list, list]:
+        if not self.specs[g].holds_state:
+            raise ValueError(f"group {g} is not a recurrent-state group")
+        return self.states.indices(ss, g)
+
+    def draft_check(self) -> None:
+        if self.states is not None:
+            raise ValueError("speculative drafts with a RecurrentState group are not supported yet: the "
+                             "states after each draft position need blocks of their own")
+
+    def _own_blocks(self, s: Seq, tables: list, rc) -> list:
+        own = [b for g in self.kv for b in tables[g][s.written:] if b >= 0 and rc(b) == 1]
+        if self.states is not None:
+            own += self.states.unpublish_own(s)
+        return own
 
     def check_invariants(self, host_refs: dict) -> None:
         super().check_invariants(host_refs)

@@ -52,6 +52,13 @@ def check_sequences(seqs: dict, coord, unready_count: int, swapped_count: int, b
         nsched = -(-done // bs)
         for g, (spec, t) in enumerate(zip(specs, s.tables)):
             what = f"sequence {sid!r} group {g}"
+            if spec.holds_state:  # one entry per interval: the spec checks its own table
+                spec.check_table(t, s.low[g], done, bs, what)
+                require(not t or t[-1] >= 0 or s.host is not None, f"{what}: no running state entry")
+                for b in t:
+                    if b >= 0:
+                        require(owner.setdefault(b, g) == g, f"block {b} is in two groups' tables")
+                continue
             reserved = t[nsched:] if s.unscheduled and len(t) == -(-n // bs) else []
             require(len(t) == nsched + len(reserved), f"{what}: {len(t)} blocks for {done} positions")
             for b in reserved:
@@ -100,6 +107,8 @@ def _check_fast_path(sid, s, coord) -> None:
     require(bool(ok), f"sequence {sid!r}: fast-path slot {s.nxt} is not its private next slot")
     last = done + s.end - s.nxt - 1  # the fast path runs through this committed count
     for spec in coord.specs:
+        if spec.holds_state:  # its running entry is private (above); no entry changes in place
+            continue
         require(spec.released_below(last, bs) == spec.released_below(done, bs),
                 f"sequence {sid!r}: a release falls due before its fast path ends")
 
@@ -124,10 +133,19 @@ def _check_hashes(seqs: dict, coord, owner: dict) -> None:
         require(s.hashes == expect, f"sequence {sid!r}: stored hashes are not its tokens' hashes")
         offered = (s.computed - s.drafts) // bs
         for g, t in enumerate(s.tables):
+            spec = coord.specs[g]
             for i, b in enumerate(t):
                 if b < 0:
                     continue
                 k = keyed.get(b)
+                if spec.holds_state:  # a checkpoint is keyed by the block that closes its interval
+                    close = (i + 1) * spec.interval // bs - 1
+                    want = coord.key(g, expect[close]) if close < len(expect) else None
+                    require(k is None or k == want, f"state block {b} of {sid!r} is keyed as another checkpoint")
+                    if k is None and b in twins:
+                        require(twins[b] == want, f"state block {b} of {sid!r} twins another checkpoint")
+                        held_twins[b] = twins[b]
+                    continue
                 if i >= offered:
                     require(k is None, f"block {b} of {sid!r} is published before it is scheduled")
                 elif k is None:  # findable all the same: a twin of the block its key maps

@@ -35,6 +35,7 @@ __all__ = [
     "FullAttention",
     "SlidingWindow",
     "ChunkedLocalAttention",
+    "RecurrentState",
     "check_groups",
     "NEVER",
 ]
@@ -51,6 +52,7 @@ class AttentionSpec:
 
     kind: ClassVar[str]
     reads_whole_prefix: ClassVar[bool] = False
+    holds_state: ClassVar[bool] = False  # a recurrent state per sequence, not K/V per position
 
     @property
     def sliding_window(self) -> int | None:
@@ -94,6 +96,11 @@ class AttentionSpec:
         return next((x for x in range(computed + 1, limit)
                      if self.released_below(x, block_size) > r), limit)
 
+    def release_step(self, computed: int, block_size: int, limit: int) -> tuple[int, int]:
+        """``(released_below(computed), next_release(computed, limit))`` in one call: what the
+        decode slow path asks, twice a block per sequence under a window."""
+        return self.released_below(computed, block_size), self.next_release(computed, block_size, limit)
+
     def blocks_held(self, computed: int, block_size: int) -> int:
         """Blocks the group holds between steps once ``computed`` positions are in the cache:
         the kept blocks, then from the first block the last computed position read through the
@@ -124,6 +131,14 @@ class AttentionSpec:
         kept = min(self.kept_blocks(block_size), hit // block_size)
         tail = range(self.released_below(hit, block_size), hit // block_size)
         return tail if not kept else list(range(kept)) + list(tail)
+
+    def shorten_hit(self, k: int, block_size: int, cached) -> int:
+        """The longest hit of at most ``k`` blocks this group can serve: the first block
+        ``hit_blocks`` names that ``cached(index)`` does not find, from the end, shortens it."""
+        for i in reversed(self.hit_blocks(k * block_size, block_size)):
+            if cached(i) is None:
+                return i
+        return k
 
     def new_blocks(self, start: int, stop: int, block_size: int) -> int:
         """Blocks a call that schedules positions ``start .. stop - 1`` adds to the table: one
@@ -208,6 +223,13 @@ class SlidingWindow(_Local):
     def first_read_array(self, q: np.ndarray) -> np.ndarray:
         return np.maximum(0, np.asarray(q, dtype=np.int64) - self.window + 1)
 
+    def release_step(self, computed: int, block_size: int, limit: int) -> tuple[int, int]:
+        if not self._own_rules():
+            return AttentionSpec.release_step(self, computed, block_size, limit)
+        first = computed - self.window + 1
+        r = first // block_size if first > 0 else 0
+        return r, max(computed + 1, (r + 1) * block_size + self.window - 1)
+
     def next_release(self, computed: int, block_size: int, limit: int) -> int:
         """Closed form: block r leaves once position (r + 1) * block_size is the first read.
         Example (block size 16, window 128, c = 1,000: blocks below 54 released): block 54
@@ -238,6 +260,13 @@ class ChunkedLocalAttention(_Local):
         q = np.asarray(q, dtype=np.int64)
         return q - q % self.chunk
 
+    def release_step(self, computed: int, block_size: int, limit: int) -> tuple[int, int]:
+        if not self._own_rules():
+            return AttentionSpec.release_step(self, computed, block_size, limit)
+        chunk = self.chunk
+        r = (computed - computed % chunk) // block_size
+        return r, max(computed + 1, -(-((r + 1) * block_size) // chunk) * chunk)
+
     def next_release(self, computed: int, block_size: int, limit: int) -> int:
         """Closed form: the next chunk start at or past the end of the next block to release."""
         if not self._own_rules():
@@ -247,6 +276,73 @@ class ChunkedLocalAttention(_Local):
 
     def _period(self, block_size: int) -> int:
         return math.lcm(self.chunk, block_size) + block_size
+
+
+@dataclass(frozen=True)
+class RecurrentState(AttentionSpec):
+    """A group of recurrent layers (Mamba, gated DeltaNet): each sequence carries one fixed-size
+    state instead of K/V per position; a query at q reads only the state after position q - 1.
+
+    The group's table has one entry per ``interval`` positions (entry j: the state block of
+    positions j*T .. (j+1)*T - 1, holding the state after the last of them the sequence has
+    scheduled); a state ending exactly at an interval end is a checkpoint a later prompt can
+    start from. ``interval`` must be a multiple of the manager's block size (the manager checks).
+    Example (T = 256): a 600-token prompt admitted whole writes entry 2; its table is [-1, -1, b].
+    """
+
+    interval: int
+    kind: ClassVar[str] = "mamba"
+    holds_state: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "interval", int_at_least("interval", self.interval, 1))
+
+    def first_read(self, q: int) -> int:
+        return q  # no K/V: only the state after q - 1
+
+    def read_ranges(self, q: int, block_size: int) -> list[range]:
+        return []
+
+    def released_below(self, computed: int, block_size: int) -> int:
+        return max(0, (computed - 1) // self.interval)  # every entry below the running one
+
+    def blocks_held(self, computed: int, block_size: int) -> int:
+        return 1 if computed > 0 else 0
+
+    def peak_blocks(self, computed: np.ndarray, block_size: int) -> np.ndarray:
+        return (np.asarray(computed, dtype=np.int64) > 0).astype(np.int64)
+
+    def entries(self, computed: int) -> int:
+        """Table entries after ``computed`` positions: one per interval begun."""
+        return -(-computed // self.interval)
+
+    def next_release(self, computed: int, block_size: int, limit: int) -> int:
+        """The next position after ``computed`` a decode step must not take on the fast path:
+        an interval's last position (its call leaves a checkpoint), the first of the next
+        (a new entry) and the one after (the old entry is released). Example (T = 256, 300
+        computed): 511."""
+        t = self.interval
+        for p in range(computed + 1, computed + 4):
+            if p % t in (t - 1, 0, 1 % t):
+                return min(p, limit)
+        return min(computed + 1 + (t - 1 - (computed + 1) % t), limit)
+
+    def hit_blocks(self, hit: int, block_size: int) -> Sequence[int]:
+        """The block whose chain hash keys the checkpoint a hit of ``hit`` tokens starts from
+        (none for a hit of 0); only a hit at an interval end can start from one."""
+        return [hit // block_size - 1] if hit else []
+
+    def shorten_hit(self, k: int, block_size: int, cached) -> int:
+        """The longest hit of at most ``k`` blocks this group can start: an interval end whose
+        checkpoint ``cached(block index)`` finds."""
+        step = self.interval // block_size
+        k -= k % step
+        while k > 0 and cached(k - 1) is None:
+            k -= step
+        return k
+
+    def check_table(self, table: list, low: int, committed: int, block_size: int, what: str) -> None:
+        require(len(table) == self.entries(committed), f"{what}: {len(table)} entries for {committed} positions")
 
 
 def check_groups(groups: Sequence[Any]) -> tuple[AttentionSpec, ...]:
@@ -259,5 +355,8 @@ def check_groups(groups: Sequence[Any]) -> tuple[AttentionSpec, ...]:
     for i, g in enumerate(groups):
         if not isinstance(g, AttentionSpec) or type(g) in (AttentionSpec, _Local):
             raise ValueError(f"groups[{i}] is not an attention spec (FullAttention, SlidingWindow, "
-                             f"ChunkedLocalAttention): {g!r}")
+                             f"ChunkedLocalAttention, RecurrentState): {g!r}")
+    if groups[0].holds_state:
+        raise ValueError("groups[0] must be an attention group: the slots append_* and prefill return are "
+                         "group 0's, and a recurrent-state group has none")
     return tuple(groups)

@@ -429,6 +429,8 @@ class KVCacheManager:
         toks = token_array(token_ids)
         if s.unscheduled or (s.drafts and not speculative) or s.host is not None:
             raise ValueError(s.why_not_ready(seq_id, "append to"))
+        if speculative:
+            self._coord.draft_check()
         k = len(toks)
         if not k:
             return []
@@ -512,8 +514,11 @@ class KVCacheManager:
             for sid, s in zip(seq_ids, ss):
                 if s.unscheduled or s.drafts or s.host is not None:
                     raise ValueError(s.why_not_ready(sid, "append to"))
-        if self._releases or self._pool.num_free < len(self._specs) * n or self._cq.sources:
-            self._coord.step_room(ss, "a decode step")  # (only then can the batch fail)
+        pool, k = self._pool, len(self._specs) * n
+        # the batch can fail only when the free blocks may not cover it; releases go first when
+        # an allocation might otherwise evict a cached block they would have spared
+        if pool.num_free < k or self._cq.sources or (self._releases and pool.num_clean < k):
+            self._coord.step_room(ss, "a decode step")
         if self._busy is not None:
             self._busy.update(ss)
         bs = self._bs
@@ -544,7 +549,7 @@ class KVCacheManager:
         The list is safe for one batched kernel: no block is a destination twice, and no
         destination is the source of another copy in the list.
         """
-        return self._cq.take()
+        return self._coord.take_copies()
 
     def take_transfers(self) -> list[Transfer]:
         """Drain the block transfers between the device and the host tier (offloads, host hits,
@@ -679,6 +684,15 @@ class KVCacheManager:
         g = self._group(group)
         ntok = np.fromiter((s.computed for s in ss), dtype=np.int32, count=len(ss))
         return flashinfer_rows(self._coord.rows(ss, g, bool(self._unready), live=True), ntok, self._bs)
+
+    def state_indices(self, seq_ids: Sequence[Hashable], group: int) -> tuple[np.ndarray, np.ndarray]:
+        """For a recurrent-state group: ``(read, write)``, two ``np.int32`` arrays of block ids,
+        the state each sequence's last scheduling call reads (-1: a zero state) and the block it
+        writes the state after its last position into ((-1, -1) when that call scheduled
+        nothing). ValueError for a group that is not a state group."""
+        ss = self._on_device(seq_ids)
+        read, write = self._coord.state_indices(ss, self._group(group))
+        return np.array(read, dtype=np.int32), np.array(write, dtype=np.int32)
 
     # ---- accounting --------------------------------------------------------------------------
 

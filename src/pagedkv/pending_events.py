@@ -65,7 +65,7 @@ class EventLog:
         # per group: what its events carry (group_idx, kv_cache_spec_kind, sliding window)
         self._tags = tuple((g, s.kind, s.sliding_window) for g, s in enumerate(specs))
         # (group, hash) keys unless one full-attention group; the manager says which it uses
-        self._keyed = not (len(specs) == 1 and type(specs[0]) is FullAttention) if keyed is None else keyed
+        self._keyed = not (len(specs) == 1 and specs[0].reads_whole_prefix) if keyed is None else keyed
         self._plain = (None, None, *self._tags[0])  # a bare-hash event's last five fields
 
     def stored(self, hashes: tuple, parent: Hashable, tokens: Any, block_size: int, medium: str) -> None:

@@ -35,7 +35,7 @@ class Seq:
     """
 
     __slots__ = ("table", "tables", "low", "tokens", "hashes", "keys", "mirror", "nxt", "end",
-                 "unscheduled", "drafts", "host", "written", "shared")
+                 "unscheduled", "drafts", "host", "written", "shared", "state_io", "io_at")
 
     def __init__(self, tables: list, low: list, tokens: array, hashes: list, keys: ExtraKeys | None,
                  unscheduled: int = 0, written: int = 0, mirror: np.ndarray | None = None) -> None:
@@ -53,6 +53,10 @@ class Seq:
         self.host: list[dict[int, int]] | None = None
         self.written = written
         self.shared = False
+        # recurrent-state groups: group -> (read, write) blocks of the last slow scheduling call,
+        # and the computed count after it (a later count means decode tokens in place since)
+        self.state_io: dict | None = None
+        self.io_at = 0
 
     @property
     def unready(self) -> bool:

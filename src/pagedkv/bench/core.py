@@ -21,7 +21,7 @@ from collections import deque
 import numpy as np
 
 from ..hashing import BlockHasher, token_bytes
-from ..kv_specs import FullAttention, SlidingWindow
+from ..kv_specs import FullAttention, RecurrentState, SlidingWindow
 from ..manager import KVCacheManager
 from ..types import OutOfBlocks
 from .harness import Timing, measure, time_call_ns
@@ -622,6 +622,7 @@ def _bench_calibration(quick: bool) -> dict:
 # hybrid models: a two-group manager beside the one-group one, in the same run
 
 GPT_OSS_GROUPS = (FullAttention(), SlidingWindow(window=128))  # gpt-oss's pattern
+STATE_GROUPS = (FullAttention(), RecurrentState(interval=256))  # a gated-DeltaNet hybrid's
 
 
 def _bench_groups(quick: bool) -> list[dict]:
@@ -641,26 +642,26 @@ def _bench_groups(quick: bool) -> list[dict]:
     steps = repeat + warmup
     need = sum(-(-(L + steps) // BLOCK_SIZE) for L in lens)
     managers = []
-    for groups in (None, list(GPT_OSS_GROUPS)):
+    for groups in (None, list(GPT_OSS_GROUPS), list(STATE_GROUPS)):
         m = KVCacheManager(num_blocks=2 * need + 1024, block_size=BLOCK_SIZE, groups=groups)
         for sid, p in zip(ids, prompts):
             m.add_sequence(sid, p)
         m.take_events()
         managers.append(m)
     step_tokens = [_tokens(rng, n) for _ in range(steps)]
-    times: list[list[int]] = [[], []]
+    times: list[list[int]] = [[], [], []]
     for i, toks in enumerate(step_tokens):
         for k, m in enumerate(managers):
             t, _ = time_call_ns(m.append_batch, ids, toks)
             m.take_events()
             if i >= warmup:
                 times[k].append(t)
-    one, two = (Timing(np.array(t, dtype=np.int64), 1) for t in times)
+    one, two, state = (Timing(np.array(t, dtype=np.int64), 1) for t in times)
 
     adm_prompts = [_tokens(rng, 1000) for _ in range(repeat + warmup)]
     admit = [KVCacheManager(num_blocks=200_000, block_size=BLOCK_SIZE, groups=g)
-             for g in (None, list(GPT_OSS_GROUPS))]
-    atimes: list[list[int]] = [[], []]
+             for g in (None, list(GPT_OSS_GROUPS), list(STATE_GROUPS))]
+    atimes: list[list[int]] = [[], [], []]
     for i, p in enumerate(adm_prompts):
         for k, m in enumerate(admit):
             t, _ = time_call_ns(m.add_sequence, "r", p)
@@ -668,7 +669,7 @@ def _bench_groups(quick: bool) -> list[dict]:
             m.take_events()
             if i >= warmup:
                 atimes[k].append(t)
-    aone, atwo = (Timing(np.array(t, dtype=np.int64), 1) for t in atimes)
+    aone, atwo, astate = (Timing(np.array(t, dtype=np.int64), 1) for t in atimes)
     return [
         _row("append_batch, 256 seqs, one group", one.median_us, "µs", 50.0, one.spread()),
         _row("append_batch, 256 seqs, [Full, Sliding(128)]", two.median_us, "µs", None, two.spread()),
@@ -680,6 +681,13 @@ def _bench_groups(quick: bool) -> list[dict]:
              f"63 blocks a group; {atwo.spread()}"),
         _row("two groups / one group, admission", atwo.median_us / aone.median_us, "ratio", 2.0,
              "design target <= 2; one sha256 chain serves both groups"),
+        _row("append_batch, 256 seqs, [Full, RecurrentState(256)]", state.median_us, "µs", None, state.spread()),
+        _row("state group / one group, decode step", state.median_us / one.median_us, "ratio", 2.0,
+             "design target <= 2; each token writes its state in place, a new entry per 256"),
+        _row("admission, 1,000-token prompt, [Full, RecurrentState(256)]", astate.median_us, "µs", None,
+             f"63 blocks and one state block; {astate.spread()}"),
+        _row("state group / one group, admission", astate.median_us / aone.median_us, "ratio", 2.0,
+             "design target <= 2"),
     ]
 
 
