@@ -251,7 +251,8 @@ class Engine:
             lens.append(b)
             qlens.append(b - a)
         read, write = m.state_indices(sids, group=self.g)
-        self.log.append((copies, {s: (*self.pending[s], r, w) for s, r, w in zip(sids, read.tolist(), write.tolist())}))
+        io = zip(sids, read.tolist(), write.tolist())
+        self.log.append((copies, {s: (*self.pending[s], r, w) for s, r, w in io}))
         logits = self.model.forward(self.kv, self.states, ids, slots, m.block_tables(sids, group=0), lens, qlens,
                                     state_read=read, state_write=write)
         self.pending = {}

@@ -11,11 +11,12 @@ manager counts the hits.
 Modelled, as an engine that wants every interval reusable runs: each prompt is admitted with its
 hit alone scheduled, then prefilled in chunks that end on interval ends (one step each: a
 ``take_copies()`` after every scheduling call, which publishes the checkpoint the call leaves);
-the output is appended in one call. Requests are admitted in order with at most ``max_running`` resident, finished oldest first
-(early when blocks run out), as in :mod:`pagedkv.sim.hybrid_hits`. A state takes one block of the
-pool here, whatever its bytes (a real one takes many pages): the default pool never evicts, so
-what the replay measures is the checkpoint rule's cost alone, and what checkpoints cost in memory
-is counted as state blocks held, not as hits lost.
+the output is appended in one call. Requests are admitted in order with at most
+``max_running`` resident, finished oldest first (early when blocks run out), as in
+:mod:`pagedkv.sim.hybrid_hits`. A state takes one block of the pool here, whatever its bytes (a
+real one takes many pages): the default pool never evicts, so what the replay measures is the
+checkpoint rule's cost alone, and what checkpoints cost in memory is counted as state blocks held,
+not as hits lost.
 
 Worked number (the first 300 Mooncake requests, block size 16, modelled): attention alone hits
 8.10% of the prompt tokens; a state group about as much at T = 256 and 512 (the trace shares
@@ -98,15 +99,17 @@ def _admit(m: KVCacheManager, running: list, sid: Hashable, prompt, interval: in
 def replay_state_hits(requests: Sequence[Request], interval: int | None, block_size: int = 16, *,
                       max_running: int = 16, num_blocks: int | None = None,
                       prompts: Iterable | None = None) -> StateHitRun:
-    """Replay ``requests`` through a fresh manager of ``[FullAttention(), RecurrentState(interval)]``
-    (``interval`` None: ``[FullAttention()]``) and ``num_blocks`` blocks (default
-    :func:`never_evicts_blocks`); the manager counts hits. ``prompts`` may pass the requests'
-    token arrays already built."""
+    """Replay ``requests`` through a fresh manager of ``[FullAttention(),
+    RecurrentState(interval)]`` (``interval`` None: ``[FullAttention()]``) and ``num_blocks``
+    blocks (default :func:`never_evicts_blocks`); the manager counts hits. ``prompts`` may pass
+    the requests' token arrays already built. Example: two requests sharing 40 tokens, block
+    size 4: 40 tokens hit at T = 8, 32 at T = 16."""
     int_at_least("block_size", block_size, 1)
     int_at_least("max_running", max_running, 1)
     groups = [FullAttention()]
     if interval is not None:
-        groups.append(RecurrentState(int_at_least("interval", interval, 1)))  # the manager checks T % block_size
+        # RecurrentState refuses T < 1, the manager a T that is not a multiple of block_size
+        groups.append(RecurrentState(interval))
     if num_blocks is None:
         num_blocks = never_evicts_blocks(requests, interval, block_size)
     m = KVCacheManager(int_at_least("num_blocks", num_blocks, 1), block_size, groups=groups,
