@@ -119,6 +119,7 @@ def restored_run(model, spec=None):
     e.prompt("a", a, 8)
     checkpoints = {step["a"][1]: step["a"][3] for _, step in e.log if step["a"][1] % INTERVAL == 0}
     e.m.free("a")
+    assert e.m.refcount(checkpoints[16]) == 0  # cached-free: b's hit revives it
     hit = e.admit("b", b)
     rows = e.run()["b"]
     first = e.log[-1][1]["b"]
