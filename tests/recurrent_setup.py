@@ -1,7 +1,8 @@
 """The recurrent hybrids the decoder tests share: tiny seeded transformers models (Qwen3-Next
 dense and with experts, Bamba) of one layer pattern, their references, and ``Runner``, a
 hand-driven allocator that hands out K/V blocks and state blocks from one pool and applies the
-contract's ``state_indices`` rule.
+contract's ``state_indices`` rule; and ``Engine``, a small engine loop over a real
+``KVCacheManager`` whose groups follow the model's layers.
 
 torch and transformers are imported inside the functions that need them, so a suite that uses
 only ``Runner`` imports this module without them.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pagedkv import KVCacheManager, RecurrentState
 from pagedkv.bamba import PagedBamba
 from pagedkv.qwen3_next import PagedQwen3Next
 from pagedkv.types import CopyOp
@@ -185,5 +187,96 @@ class Runner:
         toks, rows = [first], []
         for _ in range(new - 1):
             rows.append(self.step({seq: [toks[-1]]})[seq][-1])
+            toks.append(int(np.argmax(rows[-1])))
+        return toks, rows
+
+
+class Engine:
+    """A small engine loop over a real ``KVCacheManager`` and the decoder's two stores.
+
+    The manager's groups follow the model's layers: its attention groups (``model.kv_groups``,
+    the full-attention layers: group 0) and then one state group for every recurrent layer
+    (``RecurrentState(INTERVAL)``, or ``state_spec``). The scheduling calls (``admit``,
+    ``prefill``, ``decode``) record the positions a .. b - 1 each sequence's call scheduled;
+    :meth:`run` is the step: ``take_copies()``, the attention groups' copies on the K/V store
+    and the state group's on the state store (skipped when ``state_copies`` is False: the
+    negative control), then one forward with group 0's slots and tables and the state group's
+    ``state_indices``. ``log`` keeps every step's (copies, {sequence: (a, b, read, write)}).
+    """
+
+    def __init__(self, model, num_blocks=96, state_spec=None, state_copies=True):
+        kv_groups = list(model.kv_groups)
+        self.g = len(kv_groups)  # the state group's index
+        self.m = KVCacheManager(num_blocks, BLOCK, groups=kv_groups + [state_spec or RecurrentState(INTERVAL)])
+        self.kv, self.states = model.new_stores(num_blocks, BLOCK, state_group=self.g)
+        self.model, self.state_copies = model, state_copies
+        self.pending, self.log = {}, []
+
+    def _scheduled(self, sid, a):
+        b = self.m.num_computed(sid)
+        if b > a:
+            self.pending[sid] = (a, b)
+
+    def admit(self, sid, prompt, chunk=None):
+        """``add_sequence`` (the first ``chunk`` positions past the hit, or the whole prompt);
+        returns the hit."""
+        hit = self.m.add_sequence(sid, prompt, prefill=chunk)
+        self._scheduled(sid, hit)
+        return hit
+
+    def prefill(self, sid, n):
+        a = self.m.num_computed(sid)
+        self.m.prefill(sid, n)
+        self._scheduled(sid, a)
+
+    def decode(self, tokens):
+        """One decode token per sequence, ``{sequence: token}``, in one ``append_batch``."""
+        before = {sid: self.m.num_computed(sid) for sid in tokens}
+        self.m.append_batch(list(tokens), list(tokens.values()))
+        for sid, a in before.items():
+            self._scheduled(sid, a)
+
+    def run(self):
+        """The step for every sequence scheduled since the last one; ``{sequence: logits}``."""
+        m, sids = self.m, list(self.pending)
+        copies = m.take_copies()
+        self.kv.copy_blocks([c for c in copies if not m.groups[c.group].holds_state])
+        if self.state_copies:
+            self.states.copy_blocks(copies)
+        ids, slots, lens, qlens = [], [], [], []
+        for sid in sids:
+            a, b = self.pending[sid]
+            ids += m.tokens(sid)[a:b]
+            slots += m.slots(sid, a, b, group=0).tolist()
+            lens.append(b)
+            qlens.append(b - a)
+        read, write = m.state_indices(sids, group=self.g)
+        io = zip(sids, read.tolist(), write.tolist())
+        self.log.append((copies, {s: (*self.pending[s], r, w) for s, r, w in io}))
+        logits = self.model.forward(self.kv, self.states, ids, slots, m.block_tables(sids, group=0), lens, qlens,
+                                    state_read=read, state_write=write)
+        self.pending = {}
+        out, at = {}, 0
+        for sid, n in zip(sids, qlens):
+            out[sid], at = logits[at:at + n], at + n
+        return out
+
+    def prompt(self, sid, tokens, chunk):
+        """Admit a prompt and prefill it in chunks of ``chunk``, a step each; returns the hit and
+        the logits of the positions computed (past the hit)."""
+        hit = self.admit(sid, tokens, chunk)
+        rows = [self.run()[sid]]
+        while self.m.num_computed(sid) < len(tokens):
+            self.prefill(sid, min(chunk, len(tokens) - self.m.num_computed(sid)))
+            rows.append(self.run()[sid])
+        return hit, np.concatenate(rows)
+
+    def greedy(self, sid, first, new):
+        """Decode ``new`` tokens from ``first`` (the argmax of the last prompt logits); returns
+        the tokens and each step's logits row."""
+        toks, rows = [first], []
+        for _ in range(new - 1):
+            self.decode({sid: toks[-1]})
+            rows.append(self.run()[sid][-1])
             toks.append(int(np.argmax(rows[-1])))
         return toks, rows

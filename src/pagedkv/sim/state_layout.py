@@ -21,7 +21,7 @@ each built as a :class:`~pagedkv.sim.page_layout.Layout` and replayed by
   and no page is padded beyond the last one of the state.
 
 Imports :mod:`pagedkv.sim.page_layout` and :mod:`pagedkv.sim.state_sizing`; knows nothing of the
-allocator. Prefix hit rate is not modelled here: it needs the allocator's checkpoint rule.
+allocator. Prefix hit rate is :mod:`pagedkv.sim.state_hits`' (replays through the allocator).
 
 Worked number (Qwen3-Next-80B-A3B on an H100 80 GiB at tensor parallelism 4, bf16, utilisation
 0.9, 81e9 parameters x 2 bytes / 4 = 37.7 GiB of weights per GPU: 34.3 GiB of KV): vLLM's block is
