@@ -92,7 +92,7 @@ def _fig2(sec: Section) -> list[Finding]:
                 "2-4x over Orca", MODELLED,
                 f"{sat['paged']['throughput_rps']:.2f} against {sat['Max']['throughput_rps']:.2f} requests/s, "
                 f"step times modelled for OPT-13B on an A100-40GB; the paper's 2-4x is the request rate "
-                f"at equal latency, a different measure."),
+                f"sustained at equal latency, which the latency against request rate finding reads."),
     ]
 
 
