@@ -229,20 +229,23 @@ class HybridCoordinator(Coordinator):
             if state_fresh:
                 self.cq.check_room(fresh + state_fresh, 0, what, acquire)
             new = self.cq.fresh(fresh, "admitting", seq_id, acquire)
-        tables = []
-        for spec, row in zip(specs, rows):
-            table = [-1] * k
-            if k:
+        dealt = self._deal(new, counts)
+        if not k and self.states is None:  # nothing hit: each group's table is its new blocks
+            tables, low = dealt, list(self.low0)
+        else:
+            tables = []
+            for spec, row in zip(specs, rows):
+                table = [-1] * k
                 for i, b in zip(spec.hit_blocks(hit, bs), row):
                     table[i] = b
-            tables.append(table)
-        for (g, i, _), d in zip(loads, dst if loads else ()):
-            tables[g][i] = d
-        for g, mine in zip(self.kv, self._deal(new, counts)):
-            tables[g] += mine
-        low = [spec.released_below(hit, bs) if not spec.holds_state else 0 for spec in specs] if k else list(self.low0)
-        if self.states is not None:
-            self.states.admit(tables, k, rows)
+                tables.append(table)
+            for (g, i, _), d in zip(loads, dst if loads else ()):
+                tables[g][i] = d
+            for g, mine in zip(self.kv, dealt):
+                tables[g] += mine
+            low = [spec.released_below(hit, bs) if not spec.holds_state else 0 for spec in specs]
+            if self.states is not None:
+                self.states.admit(tables, k, rows)
         s = Seq(tables, low, tokens, hashes, keys, unscheduled=n - computed, written=k)
         if self.states is not None and computed > hit:
             self.states.schedule(s, hit, computed)

@@ -485,7 +485,9 @@ class KVCacheManager:
         bs = self._bs
         n = len(s.tokens) - (d - k)
         del s.tokens[n:]
-        self._coord.drop_tail(s, -(-n // bs))
+        keep = -(-n // bs)
+        if len(s.table) > keep:  # blocks that held only dropped drafts
+            self._coord.drop_tail(s, keep)
         s.drafts = 0
         self._unready -= 1
         if self._cache is not None:
