@@ -9,6 +9,10 @@ only ``Runner`` imports this module without them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import pytest
+
 import numpy as np
 
 from pagedkv import KVCacheManager, RecurrentState
@@ -280,3 +284,43 @@ class Engine:
             rows.append(self.run()[sid][-1])
             toks.append(int(np.argmax(rows[-1])))
         return toks, rows
+
+
+# ---- shared by the oracle tests of the recurrent decoders: one module-scoped model per config
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_torch_thread):
+    """Every test of a module that imports these runs with one torch thread (see conftest)."""
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def arch(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def hf(arch):
+    return tiny_hybrid(arch)
+
+
+@pytest.fixture(scope="module")
+def model(arch, hf):
+    return DECODERS[arch].from_transformers(hf)
+
+
+@dataclass(frozen=True)
+class EarlyCheckpoint(RecurrentState):
+    """The control: a hit of h tokens starts from the checkpoint one interval early (the state
+    after position h - T - 1), as an off-by-one in the hit rule would."""
+
+    def hit_blocks(self, hit, block_size):
+        step = self.interval // block_size
+        return [hit // block_size - 1 - step] if hit // block_size > step else []
+
+    def shorten_hit(self, k, block_size, cached):
+        step = self.interval // block_size
+        k -= k % step
+        while k > step and cached(k - 1 - step) is None:
+            k -= step
+        return k if k > step else 0

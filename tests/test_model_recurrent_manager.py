@@ -15,8 +15,6 @@ starts from the checkpoint one interval early.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import pytest
 
@@ -25,50 +23,12 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.qwen3_next")
 pytest.importorskip("transformers.models.bamba")
 
-from pagedkv import RecurrentState  # noqa: E402
 from llama_setup import prompts_of  # noqa: E402
-from recurrent_setup import (BLOCK, CONFIGS, DECODERS, INTERVAL, Engine, hf_generate, hf_logits,  # noqa: E402
-                             tiny_hybrid)
+from recurrent_setup import _one_thread, arch, hf, model  # noqa: E402,F401 (the shared fixtures)
+from recurrent_setup import EarlyCheckpoint, BLOCK, INTERVAL, Engine, hf_generate, hf_logits  # noqa: E402
 
 pytestmark = pytest.mark.oracle
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_torch_thread):
-    """Every test here runs with one torch thread (see conftest)."""
-
-
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def arch(request):
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def hf(arch):
-    return tiny_hybrid(arch)
-
-
-@pytest.fixture(scope="module")
-def model(arch, hf):
-    return DECODERS[arch].from_transformers(hf)
-
-
-@dataclass(frozen=True)
-class EarlyCheckpoint(RecurrentState):
-    """The control: a hit of h tokens starts from the checkpoint one interval early (the state
-    after position h - T - 1), as an off-by-one in the hit rule would."""
-
-    def hit_blocks(self, hit, block_size):
-        step = self.interval // block_size
-        return [hit // block_size - 1 - step] if hit // block_size > step else []
-
-    def shorten_hit(self, k, block_size, cached):
-        step = self.interval // block_size
-        k -= k % step
-        while k > step and cached(k - 1 - step) is None:
-            k -= step
-        return k if k > step else 0
 
 
 def test_groups_follow_the_model_layers(model):

@@ -27,31 +27,11 @@ pytest.importorskip("transformers.models.bamba")
 
 from pagedkv.types import Transfer  # noqa: E402
 from llama_setup import prompts_of  # noqa: E402
-from recurrent_setup import (BLOCK, CONFIGS, DECODERS, INTERVAL, Runner, hf_generate, hf_logits,  # noqa: E402
-                             tiny_hybrid)
+from recurrent_setup import _one_thread, arch, hf, model  # noqa: E402,F401 (the shared fixtures)
+from recurrent_setup import BLOCK, DECODERS, INTERVAL, Runner, hf_generate, hf_logits, tiny_hybrid  # noqa: E402
 
 pytestmark = pytest.mark.oracle
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_torch_thread):
-    """Every test here runs with one torch thread (see conftest)."""
-
-
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def arch(request):
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def hf(arch):
-    return tiny_hybrid(arch)
-
-
-@pytest.fixture(scope="module")
-def model(arch, hf):
-    return DECODERS[arch].from_transformers(hf)
 
 
 def shapes(arch, config):

@@ -16,14 +16,13 @@ Negative control: a state group whose hit reads the checkpoint one interval earl
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
-
 import numpy as np
 import pytest
 from hypothesis import Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
+from recurrent_setup import EarlyCheckpoint
 from pagedkv import (BlockStored, FullAttention, KVCacheManager, OutOfBlocks, RecurrentState, SlidingWindow)
 
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [1, 2, 3, 4, 5, 6, 7, 8, 30, 31], [40, 41, 42]]
@@ -195,23 +194,6 @@ class StateMachine(RuleBasedStateMachine):
 TestStates = StateMachine.TestCase
 TestStates.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
                                phases=[p for p in settings().phases if p is not Phase.explain])
-
-
-@dataclass(frozen=True)
-class EarlyCheckpoint(RecurrentState):
-    """The control: a hit of h tokens starts from the checkpoint one interval early (the state
-    after position h - T - 1), as an off-by-one in the hit rule would."""
-
-    def hit_blocks(self, hit, block_size):
-        step = self.interval // block_size
-        return [hit // block_size - 1 - step] if hit // block_size > step else []
-
-    def shorten_hit(self, k, block_size, cached):
-        step = self.interval // block_size
-        k -= k % step
-        while k > step and cached(k - 1 - step) is None:
-            k -= step
-        return k if k > step else 0
 
 
 def test_reading_the_checkpoint_one_interval_early_is_caught():
